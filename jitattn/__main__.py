@@ -1,0 +1,5 @@
+import sys
+
+from jitattn.cli import main
+
+sys.exit(main())

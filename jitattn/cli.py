@@ -1,0 +1,305 @@
+"""The `jitattn` command line: prewarm, cache, doctor (show-config), explain."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from jitattn.jit import cache, env, keys, toolchain
+from jitattn.jit.manifest import expand, read_manifest, unique
+from jitattn.jit.spec import FAMILIES, DecodeSpec, KernelSpec, spec_from_dict
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.handler(args)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"jitattn: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        from jitattn.errors import JitattnError
+
+        if isinstance(exc, JitattnError):
+            print(f"jitattn: error: {exc}", file=sys.stderr)
+            return 1
+        raise
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jitattn", description="JIT-compiled attention kernels: cache tools.")
+    sub = p.add_subparsers(title="commands")
+
+    pw = sub.add_parser("prewarm", help="compile specializations into the cache ahead of time")
+    pw.add_argument("manifests", nargs="*", type=Path, help="TOML manifests (see cache/default.toml)")
+    pw.add_argument("--arch", help="target arch list, e.g. '9.0' or '8.0;9.0' (works without a GPU)")
+    pw.add_argument("-j", "--jobs", type=int, help="parallel builds (default: by cores and free memory)")
+    pw.add_argument("--force", action="store_true", help="rebuild even if cached")
+    pw.add_argument("--spec", action="append", default=[], help="one spec as JSON, e.g. "
+                    "'{\"family\": \"decode\", \"head_dim\": 128}' (repeatable)")
+    _add_decode_flags(pw)
+    pw.set_defaults(handler=cmd_prewarm)
+
+    c = sub.add_parser("cache", help="inspect and manage the cache")
+    csub = c.add_subparsers(title="cache commands")
+    for name, handler, text in [
+        ("list", cmd_cache_list, "list entries in every layer"),
+        ("verify", cmd_cache_verify, "re-hash every entry; exit 1 if any is corrupt"),
+        ("clear", cmd_cache_clear, "delete the writable cache root"),
+    ]:
+        sp = csub.add_parser(name, help=text)
+        sp.set_defaults(handler=handler)
+    show = csub.add_parser("show", help="print one entry's manifest")
+    show.add_argument("entry", help="entry directory name (or a unique prefix of it)")
+    show.set_defaults(handler=cmd_cache_show)
+    prune = csub.add_parser("prune", help="remove staging litter (and entries by age/size)")
+    prune.add_argument("--staging-age", type=float, default=3600, help="seconds (default 3600)")
+    prune.add_argument("--older-than-days", type=float, help="also remove entries not used for this long")
+    prune.add_argument("--max-size-mb", type=float, help="then remove least recently used entries above this")
+    prune.set_defaults(handler=cmd_cache_prune)
+
+    for name in ("doctor", "show-config"):
+        d = sub.add_parser(name, help="versions, toolchain, arch list, cache layers")
+        d.set_defaults(handler=cmd_doctor)
+
+    ex = sub.add_parser("explain", help="print the key components of a specialization")
+    ex.add_argument("--arch", help="target arch list (default: as a call would resolve it)")
+    ex.add_argument("--spec", action="append", default=[], help="spec as JSON")
+    _add_decode_flags(ex)
+    ex.set_defaults(handler=cmd_explain)
+    return p
+
+
+def _add_decode_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("decode specializations (lists expand to a cross product)")
+    g.add_argument("--head-dim", type=int, nargs="+")
+    g.add_argument("--dtype", nargs="+", choices=["float16", "bfloat16"], help="q dtype")
+    g.add_argument("--kv-dtype", nargs="+", choices=["float16", "bfloat16"], help="k/v dtype (default: = q)")
+    g.add_argument("--group-size", type=int, nargs="+", help="num_qo_heads // num_kv_heads")
+    g.add_argument("--soft-cap", choices=["on", "off", "both"], default="off")
+
+
+def _specs_from_args(args) -> list[KernelSpec]:
+    specs: list[KernelSpec] = []
+    for path in getattr(args, "manifests", []):
+        specs += read_manifest(path)
+    for raw in args.spec:
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            raise ValueError(f"--spec is not valid JSON ({exc}): {raw}") from None
+        specs += [spec_from_dict(d) for d in expand(data)]
+    if args.head_dim:
+        for d, dt, kv, gs, cap in _cross(args):
+            specs.append(DecodeSpec(head_dim=d, dtype_q=dt, dtype_kv=kv or dt, soft_cap=cap,
+                                    group_tile=DecodeSpec.group_tile_for(gs)))
+    elif args.dtype or args.group_size or args.kv_dtype:
+        raise ValueError("decode flags need --head-dim")
+    return unique(specs)
+
+
+def _cross(args):
+    caps = {"on": [True], "off": [False], "both": [False, True]}[args.soft_cap]
+    for d in args.head_dim:
+        for dt in args.dtype or ["float16"]:
+            for kv in args.kv_dtype or [None]:
+                for gs in args.group_size or [1]:
+                    for cap in caps:
+                        yield d, dt, kv, gs, cap
+
+
+def _apply_arch(arch: str | None) -> None:
+    if arch:
+        toolchain.parse_arch_list(arch)  # validate early, with a clear message
+        os.environ["JITATTN_CUDA_ARCH_LIST"] = arch
+
+
+def cmd_prewarm(args) -> int:
+    from jitattn.jit.prewarm import default_jobs, prewarm
+
+    _apply_arch(args.arch)
+    specs = _specs_from_args(args)
+    if not specs:
+        raise ValueError("nothing to prewarm: give manifests, --spec or --head-dim")
+    archs, source = toolchain.target_archs()
+    jobs = args.jobs or default_jobs()
+    root = env.cache_dir()
+    print(f"prewarm: {len(specs)} specializations for {','.join(archs)} ({source}) into {root}, {jobs} jobs")
+    start = time.perf_counter()
+    done = [0]
+
+    def progress(outcome):
+        done[0] += 1
+        width = 30
+        filled = width * done[0] // len(specs)
+        print(f"[{'#' * filled}{'.' * (width - filled)}] {done[0]}/{len(specs)} "
+              f"{outcome.status:7s} {outcome.seconds:6.1f}s {outcome.spec.name}", flush=True)
+
+    outcomes = prewarm(specs, jobs, force=args.force, on_done=progress)
+    print(f"\n{'spec':56s} {'status':8s} {'seconds':>8s}")
+    for o in outcomes:
+        print(f"{o.spec.name:56s} {o.status:8s} {o.seconds:8.1f}")
+        if o.detail:
+            print(f"    {o.detail}")
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("built", "cached", "failed")}
+    print(f"\nbuilt {counts['built']}, already cached {counts['cached']}, failed {counts['failed']} "
+          f"in {time.perf_counter() - start:.1f} s")
+    return 1 if counts["failed"] else 0
+
+
+def cmd_cache_list(args) -> int:
+    for layer, writable in _layers():
+        print(f"{layer} ({'writable' if writable else 'read-only seed'})")
+        for path in cache.entries(layer):
+            entry = cache.read_entry(path)
+            size = (path / cache.LIBRARY).stat().st_size if (path / cache.LIBRARY).exists() else 0
+            state = "ok" if entry else "INVALID"
+            print(f"  {path.relative_to(layer)}  {size / 1024:.0f} KiB  {state}")
+    return 0
+
+
+def cmd_cache_show(args) -> int:
+    for layer, _ in _layers():
+        for path in cache.entries(layer):
+            if path.name.startswith(args.entry):
+                print(path)
+                print((path / cache.MANIFEST).read_text() if (path / cache.MANIFEST).exists() else "(no manifest)")
+                return 0
+    print(f"no entry named {args.entry}", file=sys.stderr)
+    return 1
+
+
+def cmd_cache_verify(args) -> int:
+    bad = 0
+    total = 0
+    for layer, _ in _layers():
+        for path in cache.entries(layer):
+            total += 1
+            reason = cache.why_invalid(path)
+            if reason:
+                bad += 1
+                print(f"INVALID {path}: {reason}")
+    print(f"verified {total} entries: {total - bad} ok, {bad} invalid")
+    return 1 if bad else 0
+
+
+def cmd_cache_clear(args) -> int:
+    root = env.cache_dir()
+    if root.exists():
+        shutil.rmtree(root)
+    print(f"removed {root}")
+    return 0
+
+
+def cmd_cache_prune(args) -> int:
+    root = env.cache_dir()
+    removed = cache.prune_staging(root, args.staging_age)
+    entries = [(p, p.stat().st_atime, _dir_size(p)) for p in cache.entries(root)]
+    now = time.time()
+    for path, atime, _ in list(entries):
+        if args.older_than_days is not None and now - atime > args.older_than_days * 86400:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            entries.remove((path, atime, _))
+    if args.max_size_mb is not None:
+        total = sum(size for *_, size in entries)
+        for path, atime, size in sorted(entries, key=lambda e: e[1]):
+            if total <= args.max_size_mb * 2**20:
+                break
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            total -= size
+    for path in removed:
+        print(f"removed {path}")
+    print(f"pruned {len(removed)} item(s) from {root}")
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    import platform
+
+    import torch
+
+    import jitattn
+
+    print(f"jitattn      {jitattn.__version__}")
+    print(f"python       {platform.python_version()}")
+    print(f"torch        {torch.__version__} (CUDA {torch.version.cuda}); stable ABI target "
+          f"{'.'.join(map(str, keys.TORCH_ABI_TARGET))}")
+    home, why = toolchain.resolve_cuda_home()
+    print(f"CUDA home    {home} ({why})")
+    try:
+        tc = toolchain.fingerprint(memo_dir=env.cache_dir())
+        print(f"nvcc         {tc.nvcc_release} ({tc.nvcc})")
+        print(f"host c++     {tc.host_cxx_version} ({tc.host_cxx})")
+    except Exception as exc:
+        print(f"toolchain    unavailable: {exc}")
+    try:
+        archs, source = toolchain.target_archs()
+        print(f"archs        {','.join(archs)} (from {source})")
+    except Exception as exc:
+        print(f"archs        {exc}")
+    print(f"GPUs         {torch.cuda.device_count()} visible")
+    print(f"strict mode  {'on (JITATTN_DISABLE_JIT=1)' if env.jit_disabled() else 'off'}")
+    for layer, writable in _layers():
+        count = sum(1 for _ in cache.entries(layer)) if layer.exists() else 0
+        size = _dir_size(layer) if layer.exists() else 0
+        access = "writable" if writable and _writable(layer) else "read-only"
+        kind = "cache root" if writable else "seed dir"
+        print(f"{kind:12s} {layer} ({env.cache_dir_source() if writable else 'JITATTN_CACHE_SEED_DIRS'}): "
+              f"{count} entries, {size / 2**20:.1f} MiB, {access}{'' if layer.exists() else ', absent'}")
+    print("\nenvironment knobs:")
+    for name, (default, meaning) in env.KNOBS.items():
+        value = os.environ.get(name)
+        print(f"  {name:26s} {value if value is not None else '(unset: ' + default + ')'}  # {meaning}")
+    return 0
+
+
+def cmd_explain(args) -> int:
+    from jitattn.jit import loader
+
+    _apply_arch(args.arch)
+    specs = _specs_from_args(args)
+    if not specs:
+        raise ValueError("explain needs --spec or --head-dim")
+    for spec in specs:
+        target = loader.current_target(spec)
+        parts = keys.components(spec, target)
+        key = keys.key_of(parts)
+        print(f"{spec.name}\n  key {key}")
+        for name, value in parts.items():
+            print(f"  {name:10s} {json.dumps(value)}")
+        arch_tag = toolchain.arch_tag(target.archs)
+        for layer in loader.layers():
+            path = cache.entry_path(layer, keys.CACHE_SCHEMA, arch_tag, spec.name, key)
+            state = "present" if cache.read_entry(path, key) else "absent"
+            print(f"  entry      {path} ({state})")
+            for sibling in cache.siblings(layer, keys.CACHE_SCHEMA, arch_tag, spec.name):
+                entry = cache.read_entry(sibling)
+                if sibling != path and entry:
+                    print(f"  other key  {sibling.name}: differs in {keys.differing(parts, entry.components)}")
+    return 0
+
+
+def _layers() -> list[tuple[Path, bool]]:
+    return [(p, False) for p in env.seed_dirs()] + [(env.cache_dir(), True)]
+
+
+def _dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _writable(path: Path) -> bool:
+    return os.access(path if path.exists() else path.parent, os.W_OK)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Compile rendered sources into `module.so` inside a staging directory (torch load_inline).
+
+Only the binding sees torch headers (the stable ABI, so one .so serves every torch from the
+target version on); no torch/extension.h, no pybind11. A failure raises JitCompileError with the
+first compiler `error:` line and the path of the full log, which is kept under <root>/logs.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+from jitattn.errors import JitCompileError
+from jitattn.jit import cache, keys
+from jitattn.jit.toolchain import Toolchain
+
+_ERROR_LINE = re.compile(r"^.*(?:\(\d+\)|:\d+(?::\d+)?):\s*(?:fatal )?error\b.*$", re.M)
+_ANY_ERROR = re.compile(r"^.*\berror\b.*$", re.M | re.I)
+# load_inline's own copies of the sources and its build files: the entry keeps binding.cpp/kernels.cu.
+_LEFTOVERS = (".o", ".ninja_deps", ".ninja_log", "lock", "main.cpp", "cuda.cu", "build.ninja")
+
+
+def compile_library(
+    staging: Path,
+    sources: dict[str, str],
+    *,
+    spec_name: str,
+    ext_name: str,
+    archs: tuple[str, ...],
+    toolchain: Toolchain,
+    jobs: int,
+    log_dir: Path,
+    verbose: bool = False,
+) -> float:
+    """Build staging/module.so from `sources` ('binding.cpp', 'kernels.cu'); returns seconds.
+
+    load_inline also loads the library (registering its ops) before we publish it, so a
+    library that fails to load is never published.
+    """
+    os.environ.setdefault("CUDA_HOME", str(toolchain.cuda_home))
+    cpp_extension = _import_cpp_extension()
+
+    cpp_extension.CUDA_HOME = str(toolchain.cuda_home)  # torch guesses wrong behind wrapper scripts
+    cpp = [text for name, text in sources.items() if not name.endswith(".cu")]
+    cuda = [text for name, text in sources.items() if name.endswith(".cu")]
+    start = time.perf_counter()
+    saved_jobs = os.environ.get("MAX_JOBS")
+    os.environ["MAX_JOBS"] = str(jobs)
+    try:
+        cpp_extension.load_inline(
+            name=ext_name,
+            cpp_sources=cpp,
+            cuda_sources=cuda,
+            build_directory=str(staging),
+            extra_cflags=list(keys.CXX_FLAGS),
+            extra_cuda_cflags=keys.cuda_flags(archs),
+            is_python_module=False,
+            no_implicit_headers=True,
+            with_pytorch_error_handling=False,
+            verbose=verbose,
+        )
+    except Exception as exc:  # load_inline raises RuntimeError/CalledProcessError/OSError
+        raise _compile_error(exc, staging, spec_name, log_dir) from None
+    finally:
+        if saved_jobs is None:
+            os.environ.pop("MAX_JOBS", None)
+        else:
+            os.environ["MAX_JOBS"] = saved_jobs
+    seconds = time.perf_counter() - start
+    os.replace(staging / f"{ext_name}.so", staging / cache.LIBRARY)
+    for item in staging.iterdir():
+        if item.name.endswith(_LEFTOVERS):
+            item.unlink()
+    return seconds
+
+
+def _import_cpp_extension():
+    # Importing it logs a warning about CUDA_HOME on GPU-less machines; we set CUDA_HOME ourselves.
+    import logging
+
+    quiet = logging.getLogger("torch.utils.cpp_extension")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        quiet.setLevel(level)
+    return cpp_extension
+
+
+def _compile_error(exc: Exception, staging: Path, spec_name: str, log_dir: Path) -> JitCompileError:
+    text = str(exc)
+    output = getattr(exc, "output", None)
+    if isinstance(output, bytes):
+        text += "\n" + output.decode(errors="replace")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{spec_name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    # Keep the generated sources beside the log: the staging dir is removed.
+    for source in staging.glob("*.c*"):
+        if source.name not in ("main.cpp", "cuda.cu"):
+            shutil.copy(source, log_path.with_suffix(f".{source.name}"))
+    log_path.write_text(text)
+    match = _ERROR_LINE.search(text) or _ANY_ERROR.search(text)
+    first = match.group(0).strip() if match else text.strip().splitlines()[0] if text.strip() else "unknown error"
+    return JitCompileError(spec_name, first, str(log_path))

@@ -1,0 +1,174 @@
+"""Where compiled specializations live on disk: layout, manifests, verification, publishing.
+
+Knows nothing about kernels. An entry is `<root>/<schema>/<arch tag>/<name>-<key16>/` holding
+`module.so`, the generated sources and `manifest.json`. The manifest is written last and is
+the commit marker; an entry is only ever *read* through `read_entry`, which treats anything
+that does not verify (missing/malformed manifest, other key, .so size or sha256 mismatch) as a
+miss. Entries appear by one atomic rename of a finished staging directory.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+LIBRARY = "module.so"
+STAGING = "staging"
+LOCKS = "locks"
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    path: Path
+    manifest: dict
+
+    @property
+    def library(self) -> Path:
+        return self.path / LIBRARY
+
+    @property
+    def key(self) -> str:
+        return self.manifest["key"]
+
+    @property
+    def components(self) -> dict:
+        return self.manifest.get("components", {})
+
+
+def entry_path(root: Path, schema: str, arch_tag: str, name: str, key: str) -> Path:
+    return root / schema / arch_tag / f"{name}-{key[:16]}"
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_entry(path: Path, key: str | None = None) -> CacheEntry | None:
+    """The verified entry at `path`, or None (absent, partial, corrupt, or another key)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        lib = manifest["library"]
+        if key is not None and manifest["key"] != key:
+            return None
+        st = (path / LIBRARY).stat()
+        if st.st_size != lib["size"] or file_digest(path / LIBRARY) != lib["sha256"]:
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return CacheEntry(path, manifest)
+
+
+def why_invalid(path: Path) -> str | None:
+    """A human reason an entry directory does not verify (None if it does)."""
+    mf = path / MANIFEST
+    if not mf.exists():
+        return "no manifest.json (unfinished or killed build)"
+    try:
+        manifest = json.loads(mf.read_text())
+        lib = manifest["library"]
+        expected_dir = f"-{manifest['key'][:16]}"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"malformed manifest.json ({exc.__class__.__name__})"
+    if not path.name.endswith(expected_dir):
+        return "manifest belongs to another key"
+    so = path / LIBRARY
+    if not so.exists():
+        return "module.so missing"
+    if so.stat().st_size != lib.get("size"):
+        return f"module.so size {so.stat().st_size} != manifest {lib.get('size')}"
+    if file_digest(so) != lib.get("sha256"):
+        return "module.so sha256 does not match the manifest"
+    return None
+
+
+def entries(root: Path, schema: str | None = None):
+    """Every entry directory under a root (verified or not), as paths."""
+    base = root / schema if schema else root
+    if not base.is_dir():
+        return
+    schemas = [base] if schema else [p for p in base.iterdir() if p.is_dir() and p.name not in (STAGING, LOCKS)]
+    for schema_dir in schemas:
+        for arch_dir in sorted(p for p in schema_dir.iterdir() if p.is_dir()):
+            for entry in sorted(p for p in arch_dir.iterdir() if p.is_dir()):
+                yield entry
+
+
+def siblings(root: Path, schema: str, arch_tag: str, name: str) -> list[Path]:
+    """Entry directories of the same spec name (any key) under one root and arch."""
+    arch_dir = root / schema / arch_tag
+    try:
+        return sorted(p for p in arch_dir.iterdir() if p.name.rsplit("-", 1)[0] == name)
+    except OSError:
+        return []
+
+
+def new_staging_dir(root: Path) -> Path:
+    """A private directory to build in: <root>/staging/<host>-<pid>-<random>."""
+    staging = root / STAGING / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir(parents=True)
+    return staging
+
+
+def write_manifest(staging: Path, manifest: dict) -> None:
+    """Hash the library and write manifest.json (fsynced) as the last file of the entry."""
+    so = staging / LIBRARY
+    manifest = {**manifest, "library": {"sha256": file_digest(so), "size": so.stat().st_size}}
+    tmp = staging / (MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, staging / MANIFEST)
+
+
+def publish(staging: Path, final: Path) -> Path:
+    """Move a finished staging dir to `final` with one rename. First valid entry wins."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if final.exists():
+        if read_entry(final) is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+            return final
+        # A corrupt or partial entry: move it out of the way (into staging litter) first.
+        os.rename(final, final.parent.parent.parent / STAGING / f"broken-{uuid.uuid4().hex[:8]}")
+    os.rename(staging, final)
+    _fsync_dir(final.parent)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def prune_staging(root: Path, older_than_s: float = 3600.0) -> list[Path]:
+    """Remove staging litter (killed builds, replaced broken entries) older than a bound."""
+    removed = []
+    staging = root / STAGING
+    if not staging.is_dir():
+        return removed
+    now = time.time()
+    for item in staging.iterdir():
+        try:
+            if now - item.stat().st_mtime >= older_than_s:
+                shutil.rmtree(item) if item.is_dir() else item.unlink()
+                removed.append(item)
+        except OSError:
+            continue
+    return removed

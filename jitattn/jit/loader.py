@@ -1,0 +1,235 @@
+"""get_module(spec): the one way a kernel module is obtained.
+
+Warm path (what every call after the first takes): a dict lookup. First use in a process:
+find a verified entry in a cache layer (read-only seed dirs first, then the writable root) and
+load its .so — no lock, no subprocess, no ninja, no compiler probe (toolchain versions come from
+an on-disk memo). Only on a miss, and unless strict mode is on: lock(key), look again, render,
+build in staging, publish with one rename, manifest last, load.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from jitattn.errors import CacheNotWritable, MissingSpecializationError, ToolchainError
+from jitattn.jit import cache, env, keys, toolchain
+from jitattn.jit.spec import KernelSpec
+
+log = logging.getLogger("jitattn")
+
+_modules: dict[KernelSpec, "LoadedModule"] = {}
+_loaded_namespaces: dict[str, str] = {}  # op namespace -> key, for this process
+_process_lock = threading.RLock()
+COMPILE_COUNT = 0  # compiles done by this process (tests and tools read it)
+
+
+@dataclass
+class LoadedModule:
+    spec: KernelSpec
+    entry: cache.CacheEntry
+    ops: object  # torch.ops.<namespace>
+
+    def __getattr__(self, op_name: str):
+        return getattr(self.ops, op_name)
+
+
+def op_namespace(spec: KernelSpec) -> str:
+    return f"jitattn_{spec.name}"
+
+
+def get_module(spec: KernelSpec) -> LoadedModule:
+    module = _modules.get(spec)
+    if module is None:
+        with _process_lock:
+            module = _modules.get(spec) or _find_or_build(spec)
+            _modules[spec] = module
+    return module
+
+
+def layers() -> list[Path]:
+    """Cache roots searched in order: read-only seed dirs, then the writable root."""
+    return [*env.seed_dirs(), env.cache_dir()]
+
+
+def current_target(spec: KernelSpec, root: Path | None = None) -> keys.BuildTarget:
+    archs = spec.archs_for(toolchain.target_archs()[0])
+    tc = toolchain.fingerprint(memo_dir=root or env.cache_dir())
+    return keys.BuildTarget(archs, tc.nvcc_release, tc.host_cxx_version)
+
+
+def _find_or_build(spec: KernelSpec, force: bool = False) -> LoadedModule:
+    from jitattn.jit.record import record_spec
+
+    record_spec(spec)
+    root = env.cache_dir()
+    archs = spec.archs_for(toolchain.target_archs()[0])
+    arch_tag = toolchain.arch_tag(archs)
+    strict = env.jit_disabled()
+    try:
+        tc = toolchain.fingerprint(memo_dir=root)
+    except ToolchainError as exc:
+        tc, no_toolchain = None, exc
+    if tc is not None and not strict:
+        target = keys.BuildTarget(archs, tc.nvcc_release, tc.host_cxx_version)
+        parts = keys.components(spec, target)
+        key = keys.key_of(parts)
+        if not force:
+            for layer in layers():
+                entry = cache.read_entry(cache.entry_path(layer, keys.CACHE_SCHEMA, arch_tag, spec.name, key), key)
+                if entry is not None:
+                    return _load(spec, entry)
+            # Seed layers are deliberate artifacts (CI's pinned toolchain): trust them whatever
+            # compiler this machine has, as long as the binary interface matches.
+            entry, _ = _find_compatible(spec, archs, arch_tag, env.seed_dirs())
+            if entry is not None:
+                return _load(spec, entry)
+        return _build(spec, target, parts, key, root, arch_tag, reason="forced" if force else "miss")
+    # Strict mode, or no toolchain to build with: any entry whose binary interface matches.
+    entry, nearest = _find_compatible(spec, archs, arch_tag, layers())
+    if entry is not None:
+        return _load(spec, entry)
+    if tc is None and not strict:
+        raise ToolchainError(f"{spec.name} is not cached and cannot be built: {no_toolchain}")
+    raise MissingSpecializationError(_missing_message(spec, archs, arch_tag, nearest))
+
+
+def _find_compatible(spec, archs, arch_tag, roots):
+    """(verified entry matching everything but the toolchain, nearest other entry + diff)."""
+    wanted = keys.components(spec, keys.BuildTarget(archs, "", ""))
+    nearest = None
+    for layer in roots:
+        for path in reversed(cache.siblings(layer, keys.CACHE_SCHEMA, arch_tag, spec.name)):
+            entry = cache.read_entry(path)
+            if entry is None:
+                nearest = nearest or (path, [f"entry does not verify: {cache.why_invalid(path)}"])
+                continue
+            diff = [d for d in keys.differing(wanted, entry.components) if d not in keys.TOOLCHAIN_COMPONENTS]
+            if not diff:
+                return entry, None
+            if nearest is None or len(diff) < len(nearest[1]):
+                nearest = (path, diff)
+    return None, nearest
+
+
+def _missing_message(spec, archs, arch_tag, nearest) -> str:
+    wanted = keys.components(spec, keys.BuildTarget(archs, "*", "*"))
+    lines = [
+        f"{spec.name} is not in the cache and JITATTN_DISABLE_JIT=1 forbids compiling it.",
+        f"  wanted: templates {wanted['templates'][:16]}, archs {list(archs)}, schema {keys.CACHE_SCHEMA}, "
+        f"content key (toolchain-independent) {keys.key_of(wanted)[:16]}",
+        f"  searched: {', '.join(str(p / keys.CACHE_SCHEMA / arch_tag) for p in layers())}",
+    ]
+    if nearest is None:
+        lines.append("  no entry of this name exists for these archs; prewarm it: "
+                     f"`jitattn prewarm --spec '{spec.to_dict()}' --arch {';'.join(archs)}`")
+    else:
+        path, diff = nearest
+        entry = cache.read_entry(path)
+        detail = []
+        for name in diff:
+            theirs = entry.components.get(name) if entry else None
+            detail.append(f"{name}: cached {theirs!r} vs wanted {wanted.get(name)!r}" if entry else name)
+        lines.append(f"  nearest cached entry: {path}")
+        lines.append("  differs in: " + "; ".join(detail))
+    return "\n".join(lines)
+
+
+def _build(spec, target, parts, key, root, arch_tag, reason) -> LoadedModule:
+    from jitattn.jit.build import compile_library
+    from jitattn.jit.lock import key_lock
+    from jitattn.jit.render import render
+
+    global COMPILE_COUNT
+    final = cache.entry_path(root, keys.CACHE_SCHEMA, arch_tag, spec.name, key)
+    _ensure_writable(root)
+    with key_lock(root / cache.LOCKS, key, spec.name, env.lock_timeout()):
+        if reason != "forced":
+            entry = cache.read_entry(final, key)  # another process may have built it meanwhile
+            if entry is not None:
+                return _load(spec, entry)
+            if final.exists():
+                reason = f"corrupt entry ({cache.why_invalid(final)})"
+        staging = cache.new_staging_dir(root)
+        try:
+            namespace = op_namespace(spec)
+            sources = render(spec, namespace)
+            for name, text in sources.items():
+                (staging / name).write_text(text)
+            log.info("compiling %s (%s) for %s into %s", spec.name, reason, ",".join(target.archs), final)
+            tc = toolchain.fingerprint(memo_dir=root)
+            seconds = compile_library(
+                staging, sources, spec_name=spec.name, ext_name=f"jitattn_{key[:16]}",
+                archs=target.archs, toolchain=tc, jobs=env.build_jobs(), log_dir=root / "logs",
+                verbose=env.verbosity() >= 2,
+            )
+            cache.write_manifest(staging, {
+                "key": key,
+                "name": spec.name,
+                "op_namespace": namespace,
+                "components": parts,
+                "built": {"seconds": round(seconds, 3), "host": socket.gethostname(), "time": time.time()},
+            })
+            entry = cache.read_entry(cache.publish(staging, final), key)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+        COMPILE_COUNT += 1
+        log.info("compiled %s in %.1f s -> %s", spec.name, seconds, final)
+    if entry is None:
+        raise cache_error(final)
+    # load_inline already loaded the library from staging; register it under its entry.
+    return _register(spec, entry)
+
+
+def cache_error(path: Path) -> RuntimeError:
+    return RuntimeError(f"published cache entry {path} does not verify: {cache.why_invalid(path)}")
+
+
+def _ensure_writable(root: Path) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise CacheNotWritable(
+            f"a kernel must be compiled but the cache root {root} is not writable ({exc.strerror}); "
+            "set JITATTN_CACHE_DIR to a writable directory, or prewarm the cache"
+        ) from None
+
+
+def _load(spec: KernelSpec, entry: cache.CacheEntry) -> LoadedModule:
+    import torch
+
+    namespace = entry.manifest.get("op_namespace", op_namespace(spec))
+    if namespace not in _loaded_namespaces:
+        torch.ops.load_library(str(entry.library))
+    return _register(spec, entry)
+
+
+def _register(spec: KernelSpec, entry: cache.CacheEntry) -> LoadedModule:
+    import torch
+
+    namespace = entry.manifest.get("op_namespace", op_namespace(spec))
+    known = _loaded_namespaces.setdefault(namespace, entry.key)
+    if known != entry.key:
+        raise RuntimeError(
+            f"op namespace {namespace} is already loaded from another build ({known[:16]}) in this "
+            f"process; cannot also load {entry.path}"
+        )
+    return LoadedModule(spec, entry, getattr(torch.ops, namespace))
+
+
+def build_spec(spec: KernelSpec, force: bool = False) -> tuple[LoadedModule, bool]:
+    """Prewarm: make sure `spec` is cached for the current target; (module, compiled?)."""
+    before = COMPILE_COUNT
+    with _process_lock:
+        module = _find_or_build(spec, force=force)
+        _modules[spec] = module
+    return module, COMPILE_COUNT > before

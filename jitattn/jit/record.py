@@ -1,0 +1,25 @@
+"""Record mode: JITATTN_RECORD=path appends every specialization a process asks for."""
+from __future__ import annotations
+
+import json
+import os
+
+from jitattn.jit import env
+from jitattn.jit.spec import KernelSpec
+
+_recorded: set[KernelSpec] = set()
+
+
+def record_spec(spec: KernelSpec) -> None:
+    path = env.record_path()
+    if path is None or spec in _recorded:
+        return
+    _recorded.add(spec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = "[[spec]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in spec.to_dict().items()) + "\n"
+    # One write of a short line with O_APPEND: concurrent recorders do not interleave.
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)

@@ -1,0 +1,91 @@
+"""KernelSpec: every compile-time choice of one specialization, and nothing else.
+
+A spec is a frozen dataclass. `name` is a readable slug that makes cache directories
+self-explaining; the content key lives in `jitattn.jit.keys` because it also depends on the
+build target (archs, toolchain).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+# Short dtype names used in spec names and templates.
+DTYPE_TAGS = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    family: ClassVar[str] = ""
+    # Templates rendered for this family: output file name -> template path under templates/.
+    sources: ClassVar[dict[str, str]] = {}
+
+    @property
+    def name(self) -> str:
+        raise NotImplementedError
+
+    def archs_for(self, archs: tuple[str, ...]) -> tuple[str, ...]:
+        """The archs to build this family for. Families that use no arch-specific instructions
+        (wgmma, setmaxnreg) build plain sm_XY for an 'X.Ya' request: that code runs on the same
+        GPUs, and one cache entry then serves both spellings."""
+        return tuple(sorted({a.rstrip("a") for a in archs}, key=lambda a: (float(a), a)))
+
+    def params(self) -> dict:
+        """The template parameters: every field, by name (plain JSON-able values)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def to_dict(self) -> dict:
+        return {"family": self.family, **self.params()}
+
+
+@dataclass(frozen=True)
+class DecodeSpec(KernelSpec):
+    """single_decode_with_kv_cache: one query token per head, split-KV over the sequence."""
+
+    family: ClassVar[str] = "decode"
+    sources: ClassVar[dict[str, str]] = {
+        "binding.cpp": "decode/binding.cpp.j2",
+        "kernels.cu": "decode/kernels.cu.j2",
+    }
+
+    head_dim: int
+    dtype_q: str = "float16"
+    dtype_kv: str = "float16"
+    pos_encoding: str = "NONE"  # NONE | ROPE_LLAMA | ALIBI
+    soft_cap: bool = False
+    group_tile: int = 1  # query heads of one GQA group handled per CTA (1, 2, 4 or 8)
+
+    @staticmethod
+    def group_tile_for(group_size: int) -> int:
+        """Query heads per CTA for a GQA group: the group rounded up to a power of two, at most 8
+        (larger groups take several CTAs per KV head)."""
+        return min(8, 1 << (group_size - 1).bit_length())
+
+    @property
+    def name(self) -> str:
+        return (
+            f"decode_{DTYPE_TAGS[self.dtype_q]}_kv{DTYPE_TAGS[self.dtype_kv]}_d{self.head_dim}"
+            f"_pos{self.pos_encoding.lower().replace('_', '')}_cap{int(self.soft_cap)}"
+            f"_g{self.group_tile}"
+        )
+
+
+FAMILIES: dict[str, type[KernelSpec]] = {cls.family: cls for cls in (DecodeSpec,)}
+
+
+def spec_from_dict(data: dict) -> KernelSpec:
+    """Inverse of `KernelSpec.to_dict` (manifests, record files, CLI)."""
+    data = dict(data)
+    family = data.pop("family", None)
+    if family == "decode":
+        if "group_size" in data:  # manifests may name the GQA group instead of the tile
+            data["group_tile"] = DecodeSpec.group_tile_for(int(data.pop("group_size")))
+        data.setdefault("dtype_kv", data.get("dtype_q", "float16"))
+    if family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r}; known: {sorted(FAMILIES)}")
+    cls = FAMILIES[family]
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ValueError(f"unknown {family} spec fields {sorted(unknown)}; known: {sorted(names)}")
+    return cls(**data)

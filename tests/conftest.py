@@ -1,0 +1,35 @@
+import os
+
+import pytest
+import torch
+
+HAS_GPU = torch.cuda.is_available()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "compile: runs nvcc (must not skip under CI=true)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="no CUDA GPU on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def cache_root(tmp_path, monkeypatch):
+    """A fresh, private cache root for one test (and no seed dirs, JIT enabled)."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("JITATTN_CACHE_DIR", str(root))
+    monkeypatch.delenv("JITATTN_CACHE_SEED_DIRS", raising=False)
+    monkeypatch.delenv("JITATTN_DISABLE_JIT", raising=False)
+    monkeypatch.delenv("JITATTN_RECORD", raising=False)
+    return root
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
