@@ -76,6 +76,8 @@ def head_dim(name: str, value: int) -> int:
 def vector_ready(t: torch.Tensor) -> torch.Tensor:
     """`t` itself if kernels can read it with 16-byte vectors (unit last stride, 16-byte aligned
     base and strides), else a contiguous copy: never a silent misread."""
+    if t.data_ptr() % 16 == 0 and t.is_contiguous():  # the common case, checked cheaply
+        return t
     per_vec = 16 // t.element_size()
     if (
         t.stride(-1) == 1
@@ -83,4 +85,5 @@ def vector_ready(t: torch.Tensor) -> torch.Tensor:
         and all(s % per_vec == 0 for s in t.stride()[:-1])
     ):
         return t
-    return t.contiguous()
+    # clone, not contiguous(): a contiguous tensor at a misaligned address must be copied too.
+    return t.clone(memory_format=torch.contiguous_format)

@@ -15,12 +15,12 @@ from jitattn.jit.spec import DecodeSpec
 
 LOG2E = 1.4426950408889634
 MAX_CHUNKS = 256  # keep in sync with templates/decode/kernels.cu.j2 (max_chunks)
-CTAS_PER_SM = 4  # split target: this many CTAs per SM fill the memory pipeline (see _split)
+MIN_CHUNK_TILES = 2  # shortest split chunk, in pipeline tiles (see _split)
 LAYOUTS = ("NHD", "HND")
 POS_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 
-_modules: dict[tuple, object] = {}  # (spec fields) -> loaded module: the per-call fast path
-_num_sms: dict[int, int] = {}
+_KV_DOC = "[kv_len, num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND)"
+_kernels: dict[tuple, "_Kernel"] = {}  # spec fields -> loaded kernel: the per-call fast path
 
 
 def single_decode_with_kv_cache(
@@ -47,76 +47,104 @@ def single_decode_with_kv_cache(
     and with return_lse=True also lse [num_qo_heads] (float32, base 2).
     """
     q = check.tensor("q", q, 2, "[num_qo_heads, head_dim]")
-    kv_doc = "[kv_len, num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND)"
-    k = check.tensor("k", k, 3, kv_doc)
-    v = check.tensor("v", v, 3, kv_doc)
-    hnd = check.choice("kv_layout", kv_layout, LAYOUTS) == "HND"
-    check.choice("pos_encoding_mode", pos_encoding_mode, POS_MODES)
-    check.boolean("use_tensor_cores", use_tensor_cores)
-    check.boolean("return_lse", return_lse)
-    window_left = check.integer("window_left", window_left, -1)
-    scale = check.positive_float("sm_scale", sm_scale, 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0)
-    scale *= check.positive_float("q_scale", q_scale, 1.0) * check.positive_float("k_scale", k_scale, 1.0)
-    out_scale = check.positive_float("v_scale", v_scale, 1.0)
+    k = check.tensor("k", k, 3, _KV_DOC)
+    v = check.tensor("v", v, 3, _KV_DOC)
+    if kv_layout != "NHD":
+        check.choice("kv_layout", kv_layout, LAYOUTS)
+    hnd = kv_layout == "HND"
+    if pos_encoding_mode != "NONE":
+        check.choice("pos_encoding_mode", pos_encoding_mode, POS_MODES)
+    if use_tensor_cores is not False:
+        check.boolean("use_tensor_cores", use_tensor_cores)
+    if return_lse is not False:
+        check.boolean("return_lse", return_lse)
+    if window_left != -1 or type(window_left) is not int:
+        window_left = check.integer("window_left", window_left, -1)
+    # Fold every logit scale into one multiplier of q (sm_scale * q_scale * k_scale, in log2 units).
+    scale = 1.0 / math.sqrt(max(q.shape[1], 1)) if sm_scale is None else check.positive_float("sm_scale", sm_scale, 1.0)
+    if q_scale is not None:
+        scale *= check.positive_float("q_scale", q_scale, 1.0)
+    if k_scale is not None:
+        scale *= check.positive_float("k_scale", k_scale, 1.0)
+    if v_scale is not None:
+        check.positive_float("v_scale", v_scale, 1.0)
     cap = 0.0 if logits_soft_cap is None else _soft_cap(logits_soft_cap)
-    check.positive_float("rope_scale", rope_scale, 1.0)
-    check.positive_float("rope_theta", rope_theta, 1e4)
+    if rope_scale is not None:
+        check.positive_float("rope_scale", rope_scale, 1.0)
+    if rope_theta is not None:
+        check.positive_float("rope_theta", rope_theta, 1e4)
 
-    if q.dtype not in check.DTYPE_NAMES:
-        raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}")
-    if k.dtype != v.dtype:
-        raise TypeError(f"k and v must have the same dtype, got k {k.dtype} and v {v.dtype}")
-    if k.dtype in check.FP8_DTYPES:
-        raise NotImplementedError(f"fp8 KV cache ({k.dtype}) is not implemented yet")
-    if k.dtype != q.dtype:
-        raise TypeError(f"k/v dtype must match q ({q.dtype}) or be fp8, got {k.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    dtype = q.dtype
+    if dtype not in check.DTYPE_NAMES:
+        raise TypeError(f"q must be float16 or bfloat16, got {dtype}")
+    kv_dtype = k.dtype
+    if kv_dtype != v.dtype:
+        raise TypeError(f"k and v must have the same dtype, got k {kv_dtype} and v {v.dtype}")
+    if kv_dtype != dtype:
+        if kv_dtype in check.FP8_DTYPES:
+            raise NotImplementedError(f"fp8 k/v ({kv_dtype}) is not implemented yet")
+        raise TypeError(f"k/v dtype must match q ({dtype}) or be fp8, got {kv_dtype}")
+    kv_shape = k.shape
+    if kv_shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(kv_shape)} and v {tuple(v.shape)}")
     num_qo_heads, head_dim = q.shape
-    kv_len, num_kv_heads = (k.shape[1], k.shape[0]) if hnd else (k.shape[0], k.shape[1])
-    if k.shape[2] != head_dim:
-        raise ValueError(f"head_dim of k/v ({k.shape[2]}) must equal head_dim of q ({head_dim})")
+    kv_len, num_kv_heads, kv_head_dim = (kv_shape[1], kv_shape[0], kv_shape[2]) if hnd else kv_shape
+    if kv_head_dim != head_dim:
+        raise ValueError(f"head_dim of k/v ({kv_head_dim}) must equal head_dim of q ({head_dim})")
     check.head_dim("q.shape[1]", head_dim)
     if num_kv_heads < 1 or num_qo_heads < 1:
         raise ValueError(f"need at least one head, got num_qo_heads={num_qo_heads}, num_kv_heads={num_kv_heads}")
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if kv_len < 1:
-        raise ValueError(f"kv_len must be >= 1, got an empty KV cache (k shape {tuple(k.shape)})")
+        raise ValueError(f"kv_len must be >= 1, got an empty KV cache (k shape {tuple(kv_shape)})")
     if kv_len >= 2**31:
         raise ValueError(f"kv_len must be < 2**31, got {kv_len}")
     if pos_encoding_mode != "NONE":
         raise NotImplementedError(f"pos_encoding_mode={pos_encoding_mode!r} is not implemented yet")
     if use_tensor_cores:
         raise NotImplementedError("use_tensor_cores=True is not implemented yet")
-    if out_scale != 1.0:
+    if v_scale is not None and v_scale != 1.0:
         raise NotImplementedError("v_scale is not implemented yet (it comes with fp8 KV)")
-    device = check.cuda_device({"q": q, "k": k, "v": v})  # last: shape/dtype errors are testable on CPU
+    device = q.device
+    if device.type != "cuda" or k.device != device or v.device != device:  # last: the rest is testable on CPU
+        check.cuda_device({"q": q, "k": k, "v": v})
 
     group_size = num_qo_heads // num_kv_heads
-    group_tile = DecodeSpec.group_tile_for(group_size)
-    spec_fields = (head_dim, check.DTYPE_NAMES[q.dtype], check.DTYPE_NAMES[k.dtype], "NONE", cap > 0, group_tile)
-    module = _modules.get(spec_fields)
-    if module is None:
-        module = _modules[spec_fields] = get_module(DecodeSpec(*spec_fields))
+    spec_fields = (head_dim, check.DTYPE_NAMES[dtype], check.DTYPE_NAMES[kv_dtype], "NONE", cap > 0,
+                   DecodeSpec.group_tile_for(group_size))
+    kernel = _kernels.get(spec_fields)
+    if kernel is None:
+        kernel = _kernels[spec_fields] = _Kernel(get_module(DecodeSpec(*spec_fields)))
 
     q, k, v = check.vector_ready(q), check.vector_ready(k), check.vector_ready(v)
-    kv_begin = max(0, kv_len - 1 - window_left) if window_left >= 0 else 0
-    group_tiles = -(-group_size // group_tile)
-    chunk_len, num_chunks = _split(kv_len - kv_begin, num_kv_heads * group_tiles, head_dim, device)
+    kv_begin = kv_len - 1 - window_left if 0 <= window_left < kv_len - 1 else 0
+    group_tiles = -(-group_size // spec_fields[-1])
+    chunk_len, num_chunks = _split(kv_len - kv_begin, num_kv_heads * group_tiles, head_dim,
+                                   kernel.capacity(device) // 2)
 
-    out = torch.empty((num_qo_heads, head_dim), dtype=q.dtype, device=device)
-    lse = torch.empty((num_qo_heads,), dtype=torch.float32, device=device) if return_lse else None
-    workspace = (
-        torch.empty(num_chunks * num_qo_heads * (head_dim + 1), dtype=torch.float32, device=device)
-        if num_chunks > 1 else None
-    )
     q_factor = scale / cap if cap > 0 else scale * LOG2E
-    module.run(q, k, v, out, lse, workspace, hnd, kv_begin, kv_len, group_size, chunk_len, num_chunks,
-               q_factor, cap * LOG2E)
+    out, lse = kernel.run(q, k, v, hnd, kv_begin, kv_len, group_size, chunk_len, num_chunks, q_factor, cap * LOG2E)
     if env.debug():
         torch.cuda.synchronize(device)
     return (out, lse) if return_lse else out
+
+
+class _Kernel:
+    """A loaded decode module: its launch op and, per device, how many CTAs fill one wave."""
+
+    def __init__(self, module):
+        self.run = module.ops.run.default  # an OpOverload: skips overload resolution per call
+        self._ctas_per_sm = module.ops.ctas_per_sm.default
+        self._capacity: dict[int, int] = {}
+
+    def capacity(self, device: torch.device) -> int:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        cap = self._capacity.get(index)
+        if cap is None:
+            sms = torch.cuda.get_device_properties(index).multi_processor_count
+            cap = self._capacity[index] = sms * int(self._ctas_per_sm(index))
+        return cap
 
 
 def _soft_cap(value) -> float:
@@ -131,16 +159,17 @@ def rows_per_tile(head_dim: int) -> int:
     return (128 // lanes) * 4
 
 
-def _split(rows: int, ctas_per_chunk: int, head_dim: int, device: torch.device) -> tuple[int, int]:
-    """Split rule: as many chunks as it takes to give every SM CTAS_PER_SM CTAs (one full wave),
-    but never a chunk shorter than one tile and never more than MAX_CHUNKS. One chunk means one
-    launch (no merge). Chunks are whole tiles so only the last one has a ragged end."""
-    sms = _num_sms.get(device.index)
-    if sms is None:
-        sms = _num_sms[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+def _split(rows: int, ctas_per_chunk: int, head_dim: int, capacity: int) -> tuple[int, int]:
+    """(chunk_len, num_chunks) for `rows` KV rows.
+
+    Rule: the most chunks whose CTAs fit in `capacity`, which the caller sets to half a wave (SMs x
+    resident CTAs per SM, from the compiler's occupancy, / 2): never a second, partial wave, and
+    on the H200 half a wave beat a full one at every length measured (fewer partials to write and
+    merge; two CTAs per SM already keep 64 KB of loads in flight). No chunk shorter than MIN_CHUNK_TILES tiles (short chunks cost more in partials and merging
+    than they gain), and at most MAX_CHUNKS. One chunk means one launch and no merge. Chunks are
+    whole tiles, so only the last one has a ragged end."""
     tile = rows_per_tile(head_dim)
     tiles = -(-rows // tile)
-    wanted = -(-sms * CTAS_PER_SM // ctas_per_chunk)
-    chunks = max(1, min(wanted, tiles, MAX_CHUNKS))
+    chunks = max(1, min(capacity // ctas_per_chunk, -(-tiles // MIN_CHUNK_TILES), MAX_CHUNKS))
     chunk_len = -(-tiles // chunks) * tile
     return chunk_len, -(-rows // chunk_len)

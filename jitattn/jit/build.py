@@ -39,7 +39,6 @@ def compile_library(
     load_inline also loads the library (registering its ops) before we publish it, so a
     library that fails to load is never published.
     """
-    os.environ.setdefault("CUDA_HOME", str(toolchain.cuda_home))
     cpp_extension = _import_cpp_extension()
 
     cpp_extension.CUDA_HOME = str(toolchain.cuda_home)  # torch guesses wrong behind wrapper scripts
@@ -77,7 +76,8 @@ def compile_library(
 
 
 def _import_cpp_extension():
-    # Importing it logs a warning about CUDA_HOME on GPU-less machines; we set CUDA_HOME ourselves.
+    # Importing it logs a warning about CUDA_HOME on GPU-less machines; we set its CUDA_HOME
+    # attribute ourselves (compile_library), so silence that one import-time warning.
     import logging
 
     quiet = logging.getLogger("torch.utils.cpp_extension")
@@ -101,6 +101,9 @@ def _compile_error(exc: Exception, staging: Path, spec_name: str, log_dir: Path)
     for source in staging.glob("*.c*"):
         if source.name not in ("main.cpp", "cuda.cu"):
             shutil.copy(source, log_path.with_suffix(f".{source.name}"))
+    # Point error lines at the kept copies: the staging dir is about to be removed.
+    for built_name, kept_name in (("cuda.cu", "kernels.cu"), ("main.cpp", "binding.cpp")):
+        text = text.replace(str(staging / built_name), str(log_path.with_suffix(f".{kept_name}")))
     log_path.write_text(text)
     match = _ERROR_LINE.search(text) or _ANY_ERROR.search(text)
     first = match.group(0).strip() if match else text.strip().splitlines()[0] if text.strip() else "unknown error"

@@ -61,6 +61,8 @@ def read_entry(path: Path, key: str | None = None) -> CacheEntry | None:
         lib = manifest["library"]
         if key is not None and manifest["key"] != key:
             return None
+        if not path.name.endswith(f"-{manifest['key'][:16]}"):  # a manifest copied from another entry
+            return None
         st = (path / LIBRARY).stat()
         if st.st_size != lib["size"] or file_digest(path / LIBRARY) != lib["sha256"]:
             return None
@@ -132,15 +134,19 @@ def write_manifest(staging: Path, manifest: dict) -> None:
     os.replace(tmp, staging / MANIFEST)
 
 
-def publish(staging: Path, final: Path) -> Path:
-    """Move a finished staging dir to `final` with one rename. First valid entry wins."""
+def publish(staging: Path, final: Path, replace: bool = False) -> Path:
+    """Move a finished staging dir to `final` with one rename. First valid entry wins, unless
+    `replace` (a forced rebuild): then the old entry is moved aside first."""
     final.parent.mkdir(parents=True, exist_ok=True)
     if final.exists():
-        if read_entry(final) is not None:
+        if read_entry(final) is not None and not replace:
             shutil.rmtree(staging, ignore_errors=True)
             return final
-        # A corrupt or partial entry: move it out of the way (into staging litter) first.
-        os.rename(final, final.parent.parent.parent / STAGING / f"broken-{uuid.uuid4().hex[:8]}")
+        # A corrupt, partial or replaced entry: move it out of the way, then delete it. Processes
+        # that already loaded its .so keep their mapping; new readers see the new entry.
+        aside = final.parent.parent.parent / STAGING / f"replaced-{uuid.uuid4().hex[:8]}"
+        os.rename(final, aside)
+        shutil.rmtree(aside, ignore_errors=True)
     os.rename(staging, final)
     _fsync_dir(final.parent)
     return final

@@ -32,9 +32,13 @@ TOOLCHAIN_COMPONENTS = ("nvcc", "host_cxx")
 
 @dataclass(frozen=True)
 class BuildTarget:
-    archs: tuple[str, ...]
+    archs: tuple[str, ...]  # normalized to sorted and unique, so the order given never matters
     nvcc: str  # release, e.g. "13.0.88"
     host_cxx: str  # e.g. "gcc 12.2.0"
+
+    def __post_init__(self):
+        ordered = tuple(sorted(set(self.archs), key=lambda a: (float(a.rstrip("a")), a)))
+        object.__setattr__(self, "archs", ordered)
 
 
 def cuda_flags(archs: tuple[str, ...]) -> list[str]:

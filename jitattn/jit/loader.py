@@ -39,8 +39,10 @@ class LoadedModule:
         return getattr(self.ops, op_name)
 
 
-def op_namespace(spec: KernelSpec) -> str:
-    return f"jitattn_{spec.name}"
+def op_namespace(spec: KernelSpec, key: str) -> str:
+    """torch.ops namespace of one build: two builds of a spec (new templates, archs or
+    compiler) never register the same namespace in one process."""
+    return f"jitattn_{spec.name}_{key[:16]}"
 
 
 def get_module(spec: KernelSpec) -> LoadedModule:
@@ -63,40 +65,67 @@ def current_target(spec: KernelSpec, root: Path | None = None) -> keys.BuildTarg
     return keys.BuildTarget(archs, tc.nvcc_release, tc.host_cxx_version)
 
 
+@dataclass
+class _Lookup:
+    """What the cache layers hold for a spec, and how to build it if they hold nothing."""
+
+    entry: cache.CacheEntry | None
+    archs: tuple[str, ...]
+    arch_tag: str
+    build: tuple | None = None  # (target, components, key) when this process may build
+    failure: Exception | None = None  # why it cannot, when it may not
+
+
+def _lookup(spec: KernelSpec, force: bool = False) -> _Lookup:
+    root = env.cache_dir()
+    archs = spec.archs_for(toolchain.target_archs()[0])
+    arch_tag = toolchain.arch_tag(archs)
+    if not env.jit_disabled():  # strict mode never builds, so it never probes a compiler
+        try:
+            tc = toolchain.fingerprint(memo_dir=root)
+        except ToolchainError as exc:
+            tc, no_toolchain = None, exc
+        if tc is not None:
+            target = keys.BuildTarget(archs, tc.nvcc_release, tc.host_cxx_version)
+            parts = keys.components(spec, target)
+            key = keys.key_of(parts)
+            build = (target, parts, key)
+            if force:
+                return _Lookup(None, archs, arch_tag, build)
+            for layer in layers():
+                path = cache.entry_path(layer, keys.CACHE_SCHEMA, arch_tag, spec.name, key)
+                entry = cache.read_entry(path, key)
+                if entry is not None:
+                    return _Lookup(entry, archs, arch_tag)
+            # Seed layers are deliberate artifacts (CI's pinned toolchain): trust them whatever
+            # compiler this machine has, as long as the binary interface matches.
+            entry, _ = _find_compatible(spec, archs, arch_tag, env.seed_dirs())
+            return _Lookup(entry, archs, arch_tag, build)
+    # Strict mode, or no toolchain to build with: any entry whose binary interface matches.
+    entry, nearest = _find_compatible(spec, archs, arch_tag, layers())
+    if env.jit_disabled():
+        failure = MissingSpecializationError(_missing_message(spec, archs, arch_tag, nearest))
+    else:
+        failure = ToolchainError(f"{spec.name} is not cached and cannot be built: {no_toolchain}")
+    return _Lookup(entry, archs, arch_tag, failure=failure)
+
+
+def is_cached(spec: KernelSpec) -> bool:
+    """Whether a call would load `spec` without compiling (no lock, no build)."""
+    return _lookup(spec).entry is not None
+
+
 def _find_or_build(spec: KernelSpec, force: bool = False) -> LoadedModule:
     from jitattn.jit.record import record_spec
 
     record_spec(spec)
-    root = env.cache_dir()
-    archs = spec.archs_for(toolchain.target_archs()[0])
-    arch_tag = toolchain.arch_tag(archs)
-    strict = env.jit_disabled()
-    try:
-        tc = toolchain.fingerprint(memo_dir=root)
-    except ToolchainError as exc:
-        tc, no_toolchain = None, exc
-    if tc is not None and not strict:
-        target = keys.BuildTarget(archs, tc.nvcc_release, tc.host_cxx_version)
-        parts = keys.components(spec, target)
-        key = keys.key_of(parts)
-        if not force:
-            for layer in layers():
-                entry = cache.read_entry(cache.entry_path(layer, keys.CACHE_SCHEMA, arch_tag, spec.name, key), key)
-                if entry is not None:
-                    return _load(spec, entry)
-            # Seed layers are deliberate artifacts (CI's pinned toolchain): trust them whatever
-            # compiler this machine has, as long as the binary interface matches.
-            entry, _ = _find_compatible(spec, archs, arch_tag, env.seed_dirs())
-            if entry is not None:
-                return _load(spec, entry)
-        return _build(spec, target, parts, key, root, arch_tag, reason="forced" if force else "miss")
-    # Strict mode, or no toolchain to build with: any entry whose binary interface matches.
-    entry, nearest = _find_compatible(spec, archs, arch_tag, layers())
-    if entry is not None:
-        return _load(spec, entry)
-    if tc is None and not strict:
-        raise ToolchainError(f"{spec.name} is not cached and cannot be built: {no_toolchain}")
-    raise MissingSpecializationError(_missing_message(spec, archs, arch_tag, nearest))
+    found = _lookup(spec, force)
+    if found.entry is not None:
+        return _load(spec, found.entry)
+    if found.build is None:
+        raise found.failure
+    target, parts, key = found.build
+    return _build(spec, target, parts, key, env.cache_dir(), found.arch_tag, reason="forced" if force else "miss")
 
 
 def _find_compatible(spec, archs, arch_tag, roots):
@@ -148,6 +177,13 @@ def _build(spec, target, parts, key, root, arch_tag, reason) -> LoadedModule:
     global COMPILE_COUNT
     final = cache.entry_path(root, keys.CACHE_SCHEMA, arch_tag, spec.name, key)
     _ensure_writable(root)
+    namespace = op_namespace(spec, key)
+    if namespace in _loaded_namespaces:
+        # Loading a second library that registers the same ops would abort the process.
+        raise RuntimeError(
+            f"{spec.name} (key {key[:16]}) is already loaded in this process and cannot be rebuilt "
+            "here; rebuild it from a fresh process, e.g. `jitattn prewarm --force`"
+        )
     with key_lock(root / cache.LOCKS, key, spec.name, env.lock_timeout()):
         if reason != "forced":
             entry = cache.read_entry(final, key)  # another process may have built it meanwhile
@@ -157,7 +193,6 @@ def _build(spec, target, parts, key, root, arch_tag, reason) -> LoadedModule:
                 reason = f"corrupt entry ({cache.why_invalid(final)})"
         staging = cache.new_staging_dir(root)
         try:
-            namespace = op_namespace(spec)
             sources = render(spec, namespace)
             for name, text in sources.items():
                 (staging / name).write_text(text)
@@ -175,7 +210,7 @@ def _build(spec, target, parts, key, root, arch_tag, reason) -> LoadedModule:
                 "components": parts,
                 "built": {"seconds": round(seconds, 3), "host": socket.gethostname(), "time": time.time()},
             })
-            entry = cache.read_entry(cache.publish(staging, final), key)
+            entry = cache.read_entry(cache.publish(staging, final, replace=reason == "forced"), key)
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
@@ -207,7 +242,7 @@ def _ensure_writable(root: Path) -> None:
 def _load(spec: KernelSpec, entry: cache.CacheEntry) -> LoadedModule:
     import torch
 
-    namespace = entry.manifest.get("op_namespace", op_namespace(spec))
+    namespace = entry.manifest["op_namespace"]
     if namespace not in _loaded_namespaces:
         torch.ops.load_library(str(entry.library))
     return _register(spec, entry)
@@ -216,7 +251,7 @@ def _load(spec: KernelSpec, entry: cache.CacheEntry) -> LoadedModule:
 def _register(spec: KernelSpec, entry: cache.CacheEntry) -> LoadedModule:
     import torch
 
-    namespace = entry.manifest.get("op_namespace", op_namespace(spec))
+    namespace = entry.manifest["op_namespace"]
     known = _loaded_namespaces.setdefault(namespace, entry.key)
     if known != entry.key:
         raise RuntimeError(

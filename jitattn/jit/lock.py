@@ -29,13 +29,13 @@ def key_lock(lock_dir: Path, key: str, what: str, timeout: float):
     try:
         lock.acquire(timeout=0)
     except filelock.Timeout:
-        log.info("waiting up to %.0f s for the build lock of %s (%s), held by %s",
+        log.info("waiting up to %g s for the build lock of %s (%s), held by %s",
                  timeout, what, path, _read_owner(owner))
         try:
             lock.acquire(timeout=timeout)
         except filelock.Timeout:
             raise CacheLockTimeout(
-                f"gave up after {timeout:.0f} s waiting for the build lock of {what} ({path}), "
+                f"gave up after {timeout:g} s waiting for the build lock of {what} ({path}), "
                 f"held by {_read_owner(owner)}; raise JITATTN_LOCK_TIMEOUT or stop that process"
             ) from None
     try:

@@ -47,6 +47,28 @@ def _build_one(spec: KernelSpec, force: bool) -> Outcome:
 
 def prewarm(specs: list[KernelSpec], jobs: int, force: bool = False, on_done=None) -> list[Outcome]:
     """Build every spec (skipping cached ones unless force); calls on_done(outcome) as each ends."""
+    from jitattn.jit.loader import is_cached
+
+    outcomes: list[Outcome] = []
+    if not force:  # cached specs are settled here, cheaply: no worker process for them
+        missing = []
+        for spec in specs:
+            start = time.perf_counter()
+            if is_cached(spec):
+                outcomes.append(Outcome(spec, "cached", time.perf_counter() - start))
+                if on_done:
+                    on_done(outcomes[-1])
+            else:
+                missing.append(spec)
+        specs_to_build = missing
+    else:
+        specs_to_build = specs
+    order = {spec: i for i, spec in enumerate(specs)}
+    built = _build_all(specs_to_build, jobs, force, on_done) if specs_to_build else []
+    return sorted(outcomes + built, key=lambda o: order[o.spec])
+
+
+def _build_all(specs: list[KernelSpec], jobs: int, force: bool, on_done) -> list[Outcome]:
     outcomes: list[Outcome] = []
     if jobs <= 1 or len(specs) <= 1:
         for spec in specs:
@@ -67,5 +89,4 @@ def prewarm(specs: list[KernelSpec], jobs: int, force: bool = False, on_done=Non
             outcomes.append(outcome)
             if on_done:
                 on_done(outcome)
-    order = {spec: i for i, spec in enumerate(specs)}
-    return sorted(outcomes, key=lambda o: order[o.spec])
+    return outcomes

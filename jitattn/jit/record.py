@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from jitattn.jit import env
@@ -14,12 +15,16 @@ def record_spec(spec: KernelSpec) -> None:
     path = env.record_path()
     if path is None or spec in _recorded:
         return
-    _recorded.add(spec)
-    path.parent.mkdir(parents=True, exist_ok=True)
     line = "[[spec]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in spec.to_dict().items()) + "\n"
-    # One write of a short line with O_APPEND: concurrent recorders do not interleave.
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # One short write with O_APPEND: concurrent recorders do not interleave.
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError as exc:  # recording must never break the kernel call it observes
+        logging.getLogger("jitattn").warning("JITATTN_RECORD: cannot append to %s: %s", path, exc)
+        return
+    _recorded.add(spec)

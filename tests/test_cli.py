@@ -1,0 +1,399 @@
+"""The `jitattn` command line: prewarm, cache list/verify/prune/clear, doctor/show-config, explain.
+
+Most commands run in-process through `jitattn.cli.main` (capsys); the one real build runs as
+`python -m jitattn` in a child process (exit codes as a shell sees them), once per module, and
+later tests use copies of that cache.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from jitattn import cli
+from jitattn.jit import cache, env, keys, loader, manifest, record, toolchain
+from jitattn.jit.prewarm import Outcome
+from jitattn.jit.spec import DecodeSpec
+from tests.conftest import in_ci
+
+REPO = Path(__file__).resolve().parent.parent
+SPEC = DecodeSpec(head_dim=64)
+# Variables the CLI (or a build it runs) sets in its own process environment.
+CLI_SETS = ("JITATTN_CUDA_ARCH_LIST", "TORCH_CUDA_ARCH_LIST", "JITATTN_BUILD_JOBS", "CUDA_HOME", "MAX_JOBS")
+
+
+def require_nvcc() -> None:
+    home, why = toolchain.resolve_cuda_home()
+    if home is None or not (home / "bin" / "nvcc").exists():
+        message = f"nvcc not found ({why}); compile tests need a CUDA toolkit"
+        if in_ci():
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(autouse=True)
+def isolated(monkeypatch):
+    """Whatever a command writes into os.environ is undone; no arch list unless a test sets one;
+    empty in-process module/record memos."""
+    for name in CLI_SETS:
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # records the original for undo
+        if name.endswith("ARCH_LIST") or name in ("JITATTN_BUILD_JOBS", "MAX_JOBS") or not os.environ[name]:
+            monkeypatch.delenv(name)
+    for name in ("JITATTN_CACHE_SEED_DIRS", "JITATTN_DISABLE_JIT", "JITATTN_RECORD"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(loader, "_modules", {})
+    monkeypatch.setattr(record, "_recorded", set())
+
+
+def run_cli(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def cli_process(*argv, root: Path, timeout=300) -> subprocess.CompletedProcess:
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("JITATTN_")}
+    child_env.update(PYTHONPATH=str(REPO), JITATTN_CACHE_DIR=str(root))
+    return subprocess.run([sys.executable, "-m", "jitattn", *map(str, argv)], env=child_env,
+                          capture_output=True, text=True, timeout=timeout, cwd=str(REPO))
+
+
+@dataclass
+class Prewarmed:
+    root: Path
+    result: subprocess.CompletedProcess
+    seconds: float
+
+
+@pytest.fixture(scope="module")
+def prewarmed(tmp_path_factory):
+    """`python -m jitattn prewarm --head-dim 64 --arch 9.0` into a fresh cache, once."""
+    require_nvcc()
+    root = tmp_path_factory.mktemp("prewarmed") / "cache"
+    start = time.perf_counter()
+    result = cli_process("prewarm", "--head-dim", "64", "--arch", "9.0", root=root)
+    return Prewarmed(root, result, time.perf_counter() - start)
+
+
+@pytest.fixture
+def warm_cache(prewarmed, tmp_path, monkeypatch):
+    """A private copy of the prewarmed cache, as JITATTN_CACHE_DIR."""
+    assert prewarmed.result.returncode == 0, prewarmed.result.stderr
+    root = tmp_path / "cache"
+    shutil.copytree(prewarmed.root, root)
+    monkeypatch.setenv("JITATTN_CACHE_DIR", str(root))
+    return root
+
+
+def only_entry(root: Path) -> Path:
+    found = list(cache.entries(root))
+    assert len(found) == 1, found
+    return found[0]
+
+
+# ------------------------------------------------------------------ prewarm
+
+
+@pytest.mark.compile
+def test_prewarm_builds_one_spec_into_a_fresh_cache(prewarmed):
+    result = prewarmed.result
+    assert result.returncode == 0, result.stderr
+    assert f"prewarm: 1 specializations for 9.0 (JITATTN_CUDA_ARCH_LIST) into {prewarmed.root}" in result.stdout
+    assert "built 1, already cached 0, failed 0" in result.stdout
+    assert re.search(rf"{SPEC.name}\s+built\s+\d", result.stdout)
+    entry = only_entry(prewarmed.root)
+    assert entry.parent == prewarmed.root / "v1" / "sm90"
+    assert entry.name.startswith(SPEC.name + "-")
+    assert cache.why_invalid(entry) is None
+    print(f"\ncold `python -m jitattn prewarm --head-dim 64`: {prewarmed.seconds:.1f} s wall")
+
+
+@pytest.mark.compile
+def test_prewarm_again_reports_already_cached_quickly(warm_cache, capsys):
+    before = loader.COMPILE_COUNT
+    start = time.perf_counter()
+    code, out, err = run_cli(capsys, "prewarm", "--head-dim", "64", "--arch", "9.0")
+    seconds = time.perf_counter() - start
+    assert code == 0, err
+    assert "built 0, already cached 1, failed 0" in out
+    assert re.search(rf"{SPEC.name}\s+cached\s", out)
+    assert loader.COMPILE_COUNT == before
+    assert seconds < 5, f"a cached prewarm took {seconds:.1f} s"
+
+
+def test_prewarm_with_nothing_to_do_exits_2_with_a_message(tmp_path, capsys):
+    code, out, err = run_cli(capsys, "prewarm")
+    assert code == 2
+    assert "nothing to prewarm" in err and "--head-dim" in err
+
+
+def test_prewarm_with_nothing_to_do_exits_2_from_the_command_line(tmp_path):
+    result = cli_process("prewarm", root=tmp_path / "cache")
+    assert result.returncode == 2
+    assert "jitattn: error: nothing to prewarm" in result.stderr
+    assert not (tmp_path / "cache").exists()
+
+
+def test_decode_flags_without_head_dim_are_an_error(capsys):
+    code, _, err = run_cli(capsys, "prewarm", "--dtype", "bfloat16")
+    assert code == 2 and "--head-dim" in err
+
+
+def test_bad_arch_is_an_error_naming_it(capsys):
+    code, _, err = run_cli(capsys, "prewarm", "--head-dim", "64", "--arch", "sm_90")
+    assert code == 2 and "sm_90" in err
+
+
+MANIFEST = """
+[[spec]]
+family = "decode"
+head_dim = [64, 128]
+dtype_q = ["float16", "bfloat16"]
+group_size = [1, 3, 8]
+
+[[spec]]               # a duplicate of one of the above: listed once
+family = "decode"
+head_dim = 64
+"""
+
+
+def expected_cross_product():
+    return [
+        DecodeSpec(head_dim=d, dtype_q=dt, dtype_kv=dt, group_tile=DecodeSpec.group_tile_for(g))
+        for d in (64, 128) for dt in ("float16", "bfloat16") for g in (1, 3, 8)
+    ]
+
+
+def test_manifest_list_fields_expand_to_the_cross_product(tmp_path):
+    path = tmp_path / "deploy.toml"
+    path.write_text(MANIFEST)
+    specs = manifest.read_manifest(path)
+    assert specs == expected_cross_product()
+    assert len(specs) == 12
+    assert {s.group_tile for s in specs} == {1, 4, 8}  # group 3 rounds up to a tile of 4
+
+
+def test_prewarm_builds_every_spec_of_a_manifest_and_of_the_flags(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "deploy.toml"
+    path.write_text(MANIFEST)
+    asked = []
+
+    def fake_prewarm(specs, jobs, force=False, on_done=None):
+        asked.extend(specs)
+        outcomes = [Outcome(s, "cached", 0.0) for s in specs]
+        for o in outcomes:
+            on_done(o)
+        return outcomes
+
+    monkeypatch.setattr("jitattn.jit.prewarm.prewarm", fake_prewarm)
+    code, out, err = run_cli(capsys, "prewarm", path, "--head-dim", "256", "--soft-cap", "both",
+                             "--group-size", "1", "16", "--arch", "9.0")
+    assert code == 0, err
+    flags = [DecodeSpec(head_dim=256, soft_cap=cap, group_tile=tile) for tile in (1, 8) for cap in (False, True)]
+    assert asked == expected_cross_product() + flags
+    assert f"prewarm: {len(asked)} specializations for 9.0" in out
+    assert f"built 0, already cached {len(asked)}, failed 0" in out
+
+
+@pytest.mark.parametrize("text,named", [
+    ('[[spec]]\nfamily = "decode"\nhead_dims = [64, 128]\n', "head_dims"),
+    ('[[spec]]\nfamily = "decode"\nhead_dim = 64\nwindow = true\n', "window"),
+    ('[[spec]]\nfamily = "prefill"\nhead_dim = 64\n', "prefill"),
+    ('[[spec]\nfamily = "decode"\n', "not valid TOML"),
+], ids=["typo-in-field", "unknown-field", "unknown-family", "bad-toml"])
+def test_bad_manifest_exits_2_naming_the_problem(tmp_path, capsys, text, named):
+    path = tmp_path / "deploy.toml"
+    path.write_text(text)
+    code, out, err = run_cli(capsys, "prewarm", path, "--arch", "9.0")
+    assert code == 2
+    assert named in err and str(path) in err
+    assert "built" not in out
+
+
+def test_missing_manifest_exits_2(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "prewarm", tmp_path / "nope.toml")
+    assert code == 2 and "nope.toml" in err
+
+
+@pytest.mark.compile
+def test_prewarm_of_a_spec_that_fails_to_compile_exits_1(cache_root, capsys):
+    require_nvcc()
+    # head_dim 40 passes spec parsing but trips the kernel's static_assert (multiple of 16).
+    code, out, err = run_cli(capsys, "prewarm", "--spec", '{"family": "decode", "head_dim": 40}', "--arch", "9.0")
+    assert code == 1, err
+    assert "built 0, already cached 0, failed 1" in out
+    assert re.search(r"decode_f16_kvf16_d40\S*\s+failed", out)
+    assert "JitCompileError" in out and "full compiler log" in out
+    log = re.search(r"full compiler log: (\S+)", out).group(1)
+    assert Path(log).is_file() and "head_dim must be a multiple of 16" in Path(log).read_text()
+    assert list(cache.entries(cache_root)) == []
+    assert not any((cache_root / cache.STAGING).iterdir())
+
+
+# ------------------------------------------------------------------ cache commands
+
+
+@pytest.mark.compile
+def test_cache_list_shows_each_entry_and_its_state(warm_cache, capsys):
+    entry = only_entry(warm_cache)
+    code, out, _ = run_cli(capsys, "cache", "list")
+    assert code == 0
+    assert f"{warm_cache} (writable)" in out
+    assert re.search(rf"{re.escape(str(entry.relative_to(warm_cache)))}\s+\d+ KiB\s+ok", out)
+
+
+@pytest.mark.compile
+def test_cache_list_shows_seed_dirs_as_read_only(warm_cache, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("JITATTN_CACHE_SEED_DIRS", str(warm_cache))
+    monkeypatch.setenv("JITATTN_CACHE_DIR", str(tmp_path / "empty"))
+    code, out, _ = run_cli(capsys, "cache", "list")
+    assert code == 0
+    assert f"{warm_cache} (read-only seed)" in out and f"{tmp_path / 'empty'} (writable)" in out
+    assert out.index("read-only seed") < out.index("(writable)")
+
+
+@pytest.mark.compile
+def test_cache_verify_passes_then_flags_a_corrupted_library(warm_cache, capsys):
+    entry = only_entry(warm_cache)
+    code, out, _ = run_cli(capsys, "cache", "verify")
+    assert code == 0
+    assert "verified 1 entries: 1 ok, 0 invalid" in out and "INVALID" not in out
+
+    so = entry / "module.so"
+    data = bytearray(so.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, other bytes
+    so.write_bytes(bytes(data))
+    code, out, _ = run_cli(capsys, "cache", "verify")
+    assert code == 1
+    assert f"INVALID {entry}: module.so sha256 does not match the manifest" in out
+    assert "verified 1 entries: 0 ok, 1 invalid" in out
+    code, out, _ = run_cli(capsys, "cache", "list")
+    assert code == 0 and re.search(r"KiB\s+INVALID", out)
+
+
+def test_cache_verify_flags_an_entry_without_manifest(cache_root, capsys):
+    entry = cache_root / "v1" / "sm90" / f"{SPEC.name}-0123456789abcdef"
+    entry.mkdir(parents=True)
+    (entry / "module.so").write_bytes(b"\x7fELF")
+    code, out, _ = run_cli(capsys, "cache", "verify")
+    assert code == 1
+    assert f"INVALID {entry}: no manifest.json" in out
+
+
+def test_cache_verify_of_an_empty_cache_is_ok(cache_root, capsys):
+    code, out, _ = run_cli(capsys, "cache", "verify")
+    assert code == 0 and "verified 0 entries" in out
+
+
+def _litter(root: Path, name: str, age_s: float) -> Path:
+    path = root / cache.STAGING / name
+    path.mkdir(parents=True)
+    (path / "cuda.cuda.o").write_bytes(b"half a build")
+    stamp = time.time() - age_s
+    os.utime(path, (stamp, stamp))
+    return path
+
+
+@pytest.mark.compile
+def test_cache_prune_removes_old_staging_litter_and_keeps_entries(warm_cache, capsys):
+    entry = only_entry(warm_cache)
+    old = _litter(warm_cache, "host-123-deadbeef", age_s=2 * 3600)
+    broken = _litter(warm_cache, "broken-cafef00d", age_s=3 * 3600)
+    fresh = _litter(warm_cache, "host-456-feedface", age_s=10)  # maybe a build in progress
+
+    code, out, _ = run_cli(capsys, "cache", "prune")
+    assert code == 0
+    assert not old.exists() and not broken.exists() and fresh.exists()
+    assert f"removed {old}" in out and "pruned 2 item(s)" in out
+    assert cache.why_invalid(entry) is None
+
+    code, out, _ = run_cli(capsys, "cache", "prune", "--staging-age", "0")
+    assert code == 0 and not fresh.exists() and "pruned 1 item(s)" in out
+    assert cache.why_invalid(entry) is None
+
+
+@pytest.mark.compile
+def test_cache_clear_removes_the_cache_root(warm_cache, capsys):
+    code, out, _ = run_cli(capsys, "cache", "clear")
+    assert code == 0
+    assert f"removed {warm_cache}" in out
+    assert not warm_cache.exists()
+    code, out, _ = run_cli(capsys, "cache", "clear")  # nothing left: still fine
+    assert code == 0
+
+
+def test_cache_clear_leaves_seed_dirs_alone(cache_root, tmp_path, capsys, monkeypatch):
+    seed = tmp_path / "seed"
+    (seed / "v1").mkdir(parents=True)
+    monkeypatch.setenv("JITATTN_CACHE_SEED_DIRS", str(seed))
+    cache_root.mkdir()
+    code, _, _ = run_cli(capsys, "cache", "clear")
+    assert code == 0 and not cache_root.exists() and (seed / "v1").is_dir()
+
+
+# ------------------------------------------------------------------ doctor / show-config / explain
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("command", ["doctor", "show-config"])
+def test_doctor_prints_toolchain_archs_cache_and_knobs(command, warm_cache, capsys, monkeypatch):
+    monkeypatch.setenv("JITATTN_CUDA_ARCH_LIST", "9.0")
+    code, out, err = run_cli(capsys, command)
+    assert code == 0, err
+    home, _ = toolchain.resolve_cuda_home()
+    tc = toolchain.fingerprint()
+    assert re.search(rf"^CUDA home\s+{re.escape(str(home))} \(", out, re.M), out
+    assert re.search(rf"^nvcc\s+{re.escape(tc.nvcc_release)} ", out, re.M), out
+    assert re.search(r"^nvcc\s+\d+\.\d+", out, re.M)
+    assert re.search(r"^archs\s+9\.0 \(from JITATTN_CUDA_ARCH_LIST\)", out, re.M), out
+    assert re.search(rf"^cache root\s+{re.escape(str(warm_cache))} \(JITATTN_CACHE_DIR\): 1 entries", out, re.M), out
+    for knob in env.KNOBS:
+        assert re.search(rf"^\s+{knob}\s", out, re.M), f"{knob} missing from {command}"
+    assert re.search(r"^\s+JITATTN_CUDA_ARCH_LIST\s+9\.0\s", out, re.M)
+    assert re.search(r"^\s+JITATTN_DISABLE_JIT\s+\(unset: 0\)", out, re.M)
+
+
+def test_doctor_without_any_arch_says_how_to_set_one(cache_root, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a visible GPU supplies the archs")
+    code, out, _ = run_cli(capsys, "doctor")
+    assert code == 0
+    assert re.search(r"^archs\s+no target CUDA arch.*JITATTN_CUDA_ARCH_LIST", out, re.M), out
+
+
+@pytest.mark.compile  # needs the toolchain's versions for the key
+def test_explain_prints_the_key_and_every_component(cache_root, capsys, monkeypatch):
+    require_nvcc()
+    code, out, err = run_cli(capsys, "explain", "--head-dim", "128", "--arch", "9.0")
+    assert code == 0, err
+    spec = DecodeSpec(head_dim=128)
+    monkeypatch.setenv("JITATTN_CUDA_ARCH_LIST", "9.0")
+    parts = keys.components(spec, loader.current_target(spec))
+    key = keys.key_of(parts)
+    assert out.startswith(spec.name + "\n")
+    assert f"  key {key}\n" in out
+    for name, value in parts.items():
+        assert re.search(rf"^  {name}\s+{re.escape(json.dumps(value))}$", out, re.M), f"component {name}"
+    assert set(parts) >= {"schema", "abi", "archs", "cxx_flags", "cuda_flags", "spec", "templates", "nvcc", "host_cxx"}
+    entry = cache.entry_path(cache_root, keys.CACHE_SCHEMA, "sm90", spec.name, key)
+    assert f"  entry      {entry} (absent)" in out
+
+
+@pytest.mark.compile
+def test_explain_reports_a_cached_entry_as_present(warm_cache, capsys):
+    code, out, _ = run_cli(capsys, "explain", "--head-dim", "64", "--arch", "9.0")
+    assert code == 0
+    assert f"  entry      {only_entry(warm_cache)} (present)" in out
+
+
+def test_explain_with_nothing_exits_2(capsys):
+    code, _, err = run_cli(capsys, "explain")
+    assert code == 2 and "explain needs --spec or --head-dim" in err

@@ -1,0 +1,388 @@
+"""Real nvcc builds through the JIT pipeline: cold build, warm load in a new process, forced
+rebuild, compile errors, record mode and an unwritable cache root.
+
+CI has nvcc and no GPU: these tests must fail there (not skip) when nvcc is missing. A module-
+scoped fixture compiles DecodeSpec(head_dim=64) for sm_90 once; later tests reuse that cache.
+
+A spec this process already loaded cannot be rebuilt in it (the loader refuses: a second library
+registering the same ops would abort the process), so when another test module loaded head_dim=64
+first, the fixture builds the first variant of it that is not loaded yet.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import jitattn
+from jitattn.errors import CacheNotWritable, JitCompileError, MissingSpecializationError
+from jitattn.jit import cache, keys, loader, record, render, toolchain
+from jitattn.jit.manifest import read_manifest
+from jitattn.jit.spec import DecodeSpec
+from tests.conftest import in_ci
+
+pytestmark = pytest.mark.compile
+
+REPO = Path(__file__).resolve().parent.parent
+ARCH = "9.0"
+ARCH_TAG = "sm90"
+SPEC = DecodeSpec(head_dim=64)
+SPEC_VARIANTS = [SPEC, *(DecodeSpec(head_dim=64, dtype_q=dt, dtype_kv=dt, soft_cap=cap, group_tile=g)
+                         for g in (1, 2, 4, 8) for dt in ("float16", "bfloat16") for cap in (False, True))]
+ENTRY_FILES = {"module.so", "binding.cpp", "kernels.cu", "manifest.json"}
+# What load_inline leaves in its build directory; none of it may reach a published entry.
+BUILD_LEFTOVER = re.compile(r"(\.o|\.ninja_deps|\.ninja_log|build\.ninja|^main\.cpp|^cuda\.cu|^lock)$")
+HEAVY_MODULES = ("filelock", "jinja2", "torch.utils.cpp_extension", "jitattn.jit.build", "jitattn.jit.lock")
+
+
+def require_nvcc() -> None:
+    home, why = toolchain.resolve_cuda_home()
+    if home is None or not (home / "bin" / "nvcc").exists():
+        message = f"nvcc not found ({why}); compile tests need a CUDA toolkit"
+        if in_ci():
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(autouse=True)
+def _nvcc_available():
+    require_nvcc()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_memos(monkeypatch):
+    """Each test starts with empty in-process module / record memos (loaded .so files stay), and
+    what a build sets in os.environ (CUDA_HOME) is undone."""
+    monkeypatch.setenv("CUDA_HOME", os.environ.get("CUDA_HOME", ""))
+    if not os.environ["CUDA_HOME"]:
+        monkeypatch.delenv("CUDA_HOME")
+    monkeypatch.setattr(loader, "_modules", {})
+    monkeypatch.setattr(record, "_recorded", set())
+    import jitattn.decode as decode
+
+    for memo in ("_modules", "_kernels"):
+        if hasattr(decode, memo):
+            monkeypatch.setattr(decode, memo, {})
+
+
+def use_cache(monkeypatch, root: Path) -> None:
+    monkeypatch.setenv("JITATTN_CACHE_DIR", str(root))
+    monkeypatch.setenv("JITATTN_CUDA_ARCH_LIST", ARCH)
+    for name in ("JITATTN_CACHE_SEED_DIRS", "JITATTN_DISABLE_JIT", "JITATTN_RECORD"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def child_env(root: Path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JITATTN_")}
+    env.update(PYTHONPATH=str(REPO), JITATTN_CACHE_DIR=str(root), JITATTN_CUDA_ARCH_LIST=ARCH, **extra)
+    return env
+
+
+def run_child(script: str, root: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=child_env(root),
+                          capture_output=True, text=True, timeout=timeout, cwd=str(REPO))
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def staging_items(root: Path) -> list[str]:
+    staging = root / cache.STAGING
+    return sorted(p.name for p in staging.iterdir()) if staging.exists() else []
+
+
+@dataclass
+class Compiled:
+    spec: DecodeSpec
+    root: Path
+    entry: Path
+    key: str
+    compiled: bool
+    compiles: int
+    module: object
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """DecodeSpec(head_dim=64) built cold for sm_90 into a fresh cache, loaded in this process."""
+    require_nvcc()
+    root = tmp_path_factory.mktemp("compiled") / "cache"
+    # Building a spec whose op namespace this process already loaded would crash it (see
+    # test_forced_rebuild_after_loading_in_the_same_process): take the first one not loaded.
+    spec = next(s for s in SPEC_VARIANTS if not any(n.startswith(f"jitattn_{s.name}_") for n in loader._loaded_namespaces))
+    with pytest.MonkeyPatch.context() as mp:
+        use_cache(mp, root)
+        mp.setenv("CUDA_HOME", os.environ.get("CUDA_HOME", ""))  # the build may set it: undo
+        if not os.environ["CUDA_HOME"]:
+            mp.delenv("CUDA_HOME")
+        mp.setattr(loader, "_modules", {})
+        before = loader.COMPILE_COUNT
+        module, was_compiled = loader.build_spec(spec)
+        compiles = loader.COMPILE_COUNT - before
+    return Compiled(spec, root, module.entry.path, module.entry.key, was_compiled, compiles, module)
+
+
+def test_cold_build_publishes_a_verified_entry_and_loads_it(compiled, monkeypatch):
+    use_cache(monkeypatch, compiled.root)
+    spec = compiled.spec
+    assert compiled.compiled and compiled.compiles == 1
+
+    target = loader.current_target(spec)
+    parts = keys.components(spec, target)
+    key = keys.key_of(parts)
+    assert compiled.key == key
+    assert compiled.entry == compiled.root / "v1" / ARCH_TAG / f"{spec.name}-{key[:16]}"
+
+    files = {p.name for p in compiled.entry.iterdir()}
+    assert ENTRY_FILES <= files, files
+    assert not [f for f in files if BUILD_LEFTOVER.search(f)], files
+    assert staging_items(compiled.root) == []
+
+    manifest = json.loads((compiled.entry / "manifest.json").read_text())
+    so = compiled.entry / "module.so"
+    assert manifest["library"] == {"sha256": cache.file_digest(so), "size": so.stat().st_size}
+    assert manifest["key"] == key and manifest["name"] == spec.name
+    assert manifest["components"] == parts
+    assert manifest["components"]["archs"] == [ARCH]
+    assert manifest["op_namespace"] == f"jitattn_{spec.name}_{key[:16]}" == loader.op_namespace(spec, key)
+    assert cache.why_invalid(compiled.entry) is None
+    assert "this is not C++" not in (compiled.entry / "kernels.cu").read_text()
+    assert f"constexpr int HEAD_DIM = {spec.head_dim};" in (compiled.entry / "kernels.cu").read_text()
+
+    import torch
+
+    ops = getattr(torch.ops, f"jitattn_{spec.name}")
+    assert callable(ops.run) and compiled.module.run is not None
+    seconds = manifest["built"]["seconds"]
+    assert 0 < seconds < 600
+    print(f"\ncold compile of {spec.name} for sm_90: {seconds:.2f} s (manifest built.seconds)")
+
+
+def test_warm_load_in_a_new_process_compiles_nothing_and_starts_no_subprocess(compiled):
+    script = f"""
+        import json, os, subprocess, sys, time
+        import jitattn
+        from jitattn.jit import loader
+        from jitattn.jit.spec import spec_from_dict
+
+        def forbidden(*args, **kwargs):
+            raise AssertionError(f"the warm path started a subprocess: {{args!r}}")
+
+        subprocess.Popen = forbidden
+        os.system = forbidden
+        start = time.perf_counter()
+        module = loader.get_module(spec_from_dict({compiled.spec.to_dict()!r}))
+        seconds = time.perf_counter() - start
+        import torch
+        print(json.dumps({{
+            "seconds": seconds,
+            "compiles": loader.COMPILE_COUNT,
+            "entry": str(module.entry.path),
+            "heavy": [m for m in {HEAVY_MODULES!r} if m in sys.modules],
+            "has_run": hasattr(getattr(torch.ops, "jitattn_{compiled.spec.name}"), "run"),
+        }}))
+    """
+    result = run_child(script, compiled.root)
+    assert result.returncode == 0, result.stderr
+    report = last_json(result.stdout)
+    assert report["compiles"] == 0
+    assert report["entry"] == str(compiled.entry)
+    assert report["heavy"] == [], f"the warm path imported {report['heavy']}"
+    assert report["has_run"]
+    print(f"\nwarm get_module in a new process: {report['seconds'] * 1e3:.1f} ms")
+    assert report["seconds"] < 1.0
+
+
+FORCED_REBUILD = """
+    import json
+    from jitattn.jit import cache, loader
+    from jitattn.jit.spec import spec_from_dict
+
+    spec = spec_from_dict({spec!r})
+    {before}
+    module, compiled = loader.build_spec(spec, force=True)
+    print(json.dumps({{
+        "compiled": compiled,
+        "compiles": loader.COMPILE_COUNT,
+        "entry": str(module.entry.path),
+        "verified": cache.read_entry(module.entry.path, module.entry.key) is not None,
+        "has_run": hasattr(module.ops, "run"),
+    }}))
+"""
+
+
+def _check_forced_rebuild(result, root: Path, entry: Path) -> None:
+    assert result.returncode == 0, f"rc={result.returncode}\n{result.stderr[-3000:]}"
+    report = last_json(result.stdout)
+    assert report["compiled"] and report["compiles"] == 1
+    assert report["verified"] and report["has_run"]
+    assert report["entry"] == str(entry)
+    assert cache.why_invalid(entry) is None
+    assert not [f.name for f in entry.iterdir() if BUILD_LEFTOVER.search(f.name)]
+    assert staging_items(root) == []
+
+
+@pytest.fixture(scope="module")
+def forced(compiled, tmp_path_factory):
+    """build_spec(force=True) in a fresh process (as `jitattn prewarm --force` runs it), on a
+    copy of the compiled cache: (child result, root, entry, manifest before)."""
+    root = tmp_path_factory.mktemp("forced") / "cache"
+    shutil.copytree(compiled.root, root)
+    entry = root / compiled.entry.relative_to(compiled.root)
+    before = json.loads((entry / cache.MANIFEST).read_text())
+    result = run_child(FORCED_REBUILD.format(spec=compiled.spec.to_dict(), before=""), root)
+    return result, root, entry, before
+
+
+def test_forced_rebuild_compiles_again_and_leaves_a_verified_entry(forced):
+    result, root, entry, _ = forced
+    _check_forced_rebuild(result, root, entry)
+
+
+def test_forced_rebuild_replaces_the_published_entry(forced):
+    result, root, entry, before = forced
+    assert result.returncode == 0, result.stderr
+    after = json.loads((entry / cache.MANIFEST).read_text())
+    assert after["built"]["time"] > before["built"]["time"]
+
+
+def test_forced_rebuild_of_a_module_loaded_in_the_same_process_is_refused_cleanly(compiled, tmp_path):
+    # Loading a second library that registers the same op namespace would abort the process;
+    # the loader refuses before compiling, with an error that says what to do instead.
+    root = tmp_path / "cache"
+    shutil.copytree(compiled.root, root)
+    entry = root / compiled.entry.relative_to(compiled.root)
+    before = (entry / cache.MANIFEST).read_text()
+    result = run_child(FORCED_REBUILD.format(spec=compiled.spec.to_dict(), before="loader.get_module(spec)"), root)
+    assert result.returncode == 1, f"rc={result.returncode}\n{result.stderr[-3000:]}"
+    assert "already loaded in this process" in result.stderr and "prewarm --force" in result.stderr
+    assert (entry / cache.MANIFEST).read_text() == before and cache.why_invalid(entry) is None
+
+
+@dataclass
+class BrokenBuild:
+    root: Path
+    spec: DecodeSpec
+    error: JitCompileError
+    compiles: int
+
+
+@pytest.fixture(scope="module")
+def broken_build(tmp_path_factory):
+    """A build from a copy of the templates with a line of garbage appended to the kernel."""
+    require_nvcc()
+    tmp = tmp_path_factory.mktemp("broken")
+    broken = tmp / "templates"
+    shutil.copytree(REPO / "templates", broken)
+    kernels = broken / "decode" / "kernels.cu.j2"
+    kernels.write_text(kernels.read_text() + "\nthis is not C++;\n")
+    spec = DecodeSpec(head_dim=96)
+    with pytest.MonkeyPatch.context() as mp:
+        use_cache(mp, tmp / "cache")
+        mp.setattr(loader, "_modules", {})
+        # render.render and render.spec_template_digest (the key) both call templates_dir() at call time
+        mp.setattr(render, "templates_dir", lambda: broken)
+        assert render.spec_template_digest(spec) != render.spec_template_digest(spec, REPO / "templates")
+        before = loader.COMPILE_COUNT
+        with pytest.raises(JitCompileError) as info:
+            loader.get_module(spec)
+        compiles = loader.COMPILE_COUNT - before
+    return BrokenBuild(tmp / "cache", spec, info.value, compiles)
+
+
+ERROR_AT = re.compile(r"(\S*(?:kernels|cuda)\.cu)(?:\((\d+)\)|:(\d+))")
+
+
+def test_compile_error_names_the_spec_and_the_first_error_line_and_publishes_nothing(broken_build):
+    err, spec, root = broken_build.error, broken_build.spec, broken_build.root
+    message = str(err)
+    assert err.spec_name == spec.name and spec.name in message
+    match = ERROR_AT.search(err.first_error)
+    assert match and "error" in err.first_error, err.first_error
+    assert err.first_error in message and err.log_path in message
+    log = Path(err.log_path)
+    assert log.is_file() and err.first_error in log.read_text()
+    # The generated source is kept beside the log; the error's line is the injected one.
+    kept = log.with_suffix(".kernels.cu")
+    assert kept.is_file()
+    line = int(match.group(2) or match.group(3))
+    assert kept.read_text().splitlines()[line - 1].strip() == "this is not C++;"
+
+    assert broken_build.compiles == 0
+    assert cache.siblings(root, keys.CACHE_SCHEMA, ARCH_TAG, spec.name) == []
+    assert list(cache.entries(root)) == []
+    assert staging_items(root) == []
+
+
+def test_compile_error_points_at_a_file_that_still_exists(broken_build):
+    match = ERROR_AT.search(broken_build.error.first_error)
+    assert match
+    assert Path(match.group(1)).is_file(), f"{match.group(1)} does not exist"
+
+
+def test_record_mode_lists_each_requested_spec_once(compiled, tmp_path, monkeypatch):
+    use_cache(monkeypatch, compiled.root)
+    spec = compiled.spec
+    path = tmp_path / "recorded" / "specs.toml"
+    monkeypatch.setenv("JITATTN_RECORD", str(path))
+    before = loader.COMPILE_COUNT
+
+    module = loader.get_module(spec)
+    assert module.entry.path == compiled.entry and loader.COMPILE_COUNT == before  # a warm load
+    assert read_manifest(path) == [spec]
+
+    loader.get_module(spec)  # memo hit
+    monkeypatch.setattr(loader, "_modules", {})
+    loader.get_module(spec)  # memo miss: asks the recorder again
+    assert read_manifest(path) == [spec]
+    assert path.read_text().count("[[spec]]") == 1
+
+    # A spec that is asked for but missing (strict mode) is recorded too: it is what the
+    # deployment needs to prewarm.
+    other = DecodeSpec(head_dim=128, dtype_q="bfloat16", dtype_kv="bfloat16", soft_cap=True, group_tile=4)
+    monkeypatch.setenv("JITATTN_DISABLE_JIT", "1")
+    with pytest.raises(MissingSpecializationError, match=other.name):
+        loader.get_module(other)
+    assert read_manifest(path) == [spec, other]
+    assert loader.COMPILE_COUNT == before
+
+
+def test_unwritable_cache_root_raises_cache_not_writable(cache_root, monkeypatch):
+    monkeypatch.setenv("JITATTN_CUDA_ARCH_LIST", ARCH)
+    cache_root.mkdir()
+    cache_root.chmod(0o500)
+    try:
+        try:
+            (cache_root / "probe").write_bytes(b"")
+        except OSError:
+            pass
+        if (cache_root / "probe").exists() or os.access(cache_root, os.W_OK):
+            pytest.skip("running as root: a 0o500 directory is still writable")
+        with pytest.raises(CacheNotWritable) as info:
+            loader.get_module(SPEC)
+        assert str(cache_root) in str(info.value) and "JITATTN_CACHE_DIR" in str(info.value)
+        assert list(cache_root.iterdir()) == []
+    finally:
+        cache_root.chmod(0o700)
+
+
+def test_cache_root_below_a_file_raises_cache_not_writable(tmp_path, monkeypatch):
+    """Works as root too: no permission bit stops mkdir under a regular file."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    root = blocker / "cache"
+    use_cache(monkeypatch, root)
+    before = loader.COMPILE_COUNT
+    with pytest.raises(CacheNotWritable) as info:
+        loader.get_module(DecodeSpec(head_dim=80))
+    message = str(info.value)
+    assert str(root) in message and "JITATTN_CACHE_DIR" in message
+    assert isinstance(info.value, jitattn.JitattnError)
+    assert loader.COMPILE_COUNT == before

@@ -1,0 +1,96 @@
+"""Decode tuning aid (not a benchmark of record): host-time breakdown and a split-rule sweep.
+
+PYTHONPATH=. python tools/profile_decode.py            # host breakdown + sweep table
+PYTHONPATH=. python tools/profile_decode.py --ncu-case # one launch per shape, for ncu
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import jitattn  # noqa: E402
+import jitattn.decode as decode  # noqa: E402
+from bench_util import host_us_per_call, time_us  # noqa: E402
+
+SHAPES = [(32, 32, 4096), (32, 32, 32768), (32, 8, 1024), (32, 8, 4096), (32, 8, 32768)]
+
+
+def inputs(num_qo, num_kv, kv_len):
+    q = torch.randn(num_qo, 128, device="cuda", dtype=torch.float16)
+    k = torch.randn(kv_len, num_kv, 128, device="cuda", dtype=torch.float16)
+    v = torch.randn(kv_len, num_kv, 128, device="cuda", dtype=torch.float16)
+    return q, k, v
+
+
+def host_breakdown():
+    q, k, v = inputs(32, 32, 16)
+    jitattn.single_decode_with_kv_cache(q, k, v)
+    kernel = next(iter(decode._kernels.values()))
+    args = (q, k, v, False, 0, 16, 1, 32, 1, 0.1, 0.0)
+    full = host_us_per_call(lambda: jitattn.single_decode_with_kv_cache(q, k, v))
+    op_default = host_us_per_call(lambda: kernel.run(*args))
+    empty = host_us_per_call(lambda: torch.empty((32, 128), dtype=torch.float16, device="cuda"))
+    print(f"host us/call: full {full:.1f}, op.default alone {op_default:.1f}, one torch.empty {empty:.1f}")
+
+
+def kernel_breakdown():
+    """Device time per kernel (torch.profiler) vs the event-timed call, per shape."""
+    from torch.profiler import ProfilerActivity, profile
+
+    print("| shape | call us (events) | decode_chunk us | merge_chunks us |")
+    print("|---|---:|---:|---:|")
+    for num_qo, num_kv, kv_len in SHAPES:
+        q, k, v = inputs(num_qo, num_kv, kv_len)
+        call = time_us(lambda: jitattn.single_decode_with_kv_cache(q, k, v), reps=20)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                jitattn.single_decode_with_kv_cache(q, k, v)
+            torch.cuda.synchronize()
+        times = {"decode_chunk": [], "merge_chunks": []}
+        for event in prof.events():
+            for name in times:
+                if name in event.name and event.device_type.name == "CUDA":
+                    times[name].append(event.device_time)
+        med = {n: sorted(t)[len(t) // 2] if t else 0.0 for n, t in times.items()}
+        print(f"| {num_qo}/{num_kv} L={kv_len} | {call:.1f} | {med['decode_chunk']:.1f} | {med['merge_chunks']:.1f} |")
+
+
+def sweep():
+    print("| shape | min_tiles | capacity x | chunks | us |")
+    print("|---|---:|---:|---:|---:|")
+    original = decode._Kernel.capacity
+    for num_qo, num_kv, kv_len in SHAPES:
+        q, k, v = inputs(num_qo, num_kv, kv_len)
+        for min_tiles in (1, 2, 4):
+            for factor in (0.5, 1, 2):
+                decode.MIN_CHUNK_TILES = min_tiles
+                decode._Kernel.capacity = lambda self, dev, f=factor: int(original(self, dev) * f * 2)
+                us = time_us(lambda: jitattn.single_decode_with_kv_cache(q, k, v), reps=20)
+                group = decode.DecodeSpec.group_tile_for(num_qo // num_kv)
+                chunks = decode._split(kv_len, num_kv * -(-(num_qo // num_kv) // group), 128,
+                                       decode._Kernel.capacity(next(iter(decode._kernels.values())), q.device))[1]
+                print(f"| {num_qo}/{num_kv} L={kv_len} | {min_tiles} | {factor} | {chunks} | {us:.1f} |", flush=True)
+    decode._Kernel.capacity = original
+    decode.MIN_CHUNK_TILES = 2
+
+
+def ncu_case():
+    for num_qo, num_kv, kv_len in [(32, 32, 32768), (32, 8, 32768)]:
+        q, k, v = inputs(num_qo, num_kv, kv_len)
+        jitattn.single_decode_with_kv_cache(q, k, v)
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ncu-case", action="store_true")
+    if parser.parse_args().ncu_case:
+        ncu_case()
+    else:
+        host_breakdown()
+        kernel_breakdown()
+        sweep()
