@@ -65,6 +65,17 @@ def _parser() -> argparse.ArgumentParser:
     prune.add_argument("--older-than-days", type=float, help="also remove entries not used for this long")
     prune.add_argument("--max-size-mb", type=float, help="then remove least recently used entries above this")
     prune.set_defaults(handler=cmd_cache_prune)
+    pack = csub.add_parser("pack", help="write verified entries of the writable root into one archive")
+    pack.add_argument("out", type=Path, help="archive to write (.tar.gz/.tgz: gzip, else plain tar)")
+    pack.add_argument("--manifest", action="append", type=Path, default=[],
+                      help="only the specs of this prewarm manifest (repeatable); each must be cached")
+    pack.set_defaults(handler=cmd_cache_pack)
+    unpack = csub.add_parser("unpack", help="verify and extract an archive made by `cache pack`")
+    unpack.add_argument("archive", type=Path)
+    unpack.add_argument("--into", type=Path, help="target cache root, e.g. a seed dir (default: the writable root)")
+    unpack.add_argument("--arch", help="only accept entries with code for these archs, e.g. '9.0'")
+    unpack.add_argument("--max-member-mb", type=float, default=512, help="largest file accepted (default 512)")
+    unpack.set_defaults(handler=cmd_cache_unpack)
 
     for name in ("doctor", "show-config"):
         d = sub.add_parser(name, help="versions, toolchain, arch list, cache layers")
@@ -221,6 +232,47 @@ def cmd_cache_prune(args) -> int:
         print(f"removed {path}")
     print(f"pruned {len(removed)} item(s) from {root}")
     return 0
+
+
+def cmd_cache_pack(args) -> int:
+    from jitattn.jit import artifact
+
+    specs = unique(s for path in args.manifest for s in read_manifest(path)) if args.manifest else None
+    root = env.cache_dir()
+    report = artifact.pack([root], args.out, specs=specs)
+    for entry in report.packed:
+        print(f"packed   {entry.path}  {entry.size / 1024:.0f} KiB")
+    for path, reason in report.skipped:
+        print(f"skipped  {path}: {reason}")
+    for path, reason in report.refused:
+        print(f"REFUSED  {path}: {reason}")
+    for spec in report.missing:
+        print(f"MISSING  {spec.name}: no verified entry in {root} (prewarm it first)")
+    size = args.out.stat().st_size if args.out.exists() else 0
+    print(f"packed {len(report.packed)} entries into {args.out} ({size / 2**20:.1f} MiB); "
+          f"{len(report.refused)} refused, {len(report.missing)} missing, {len(report.skipped)} skipped")
+    if not report.packed and not report.refused and not report.missing:
+        print(f"jitattn: nothing to pack in {root}", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+def cmd_cache_unpack(args) -> int:
+    from jitattn.jit import artifact
+
+    archs = toolchain.parse_arch_list(args.arch) if args.arch else None
+    if args.max_member_mb <= 0:
+        raise ValueError(f"--max-member-mb must be > 0, got {args.max_member_mb}")
+    target = args.into or env.cache_dir()
+    report = artifact.unpack(args.archive, target, archs=archs,
+                             max_member_bytes=int(args.max_member_mb * 2**20))
+    for entry in report.accepted:
+        note = "already present" if entry.status == "present" else "added"
+        print(f"accepted {entry.path} ({note})")
+    for rejection in report.rejected:
+        print(f"REJECTED {rejection.item}: {rejection.reason}")
+    print(f"unpacked {args.archive} into {target}: {len(report.accepted)} accepted, "
+          f"{len(report.rejected)} rejected")
+    return 0 if report.ok else 1
 
 
 def cmd_doctor(args) -> int:

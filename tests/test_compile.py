@@ -158,7 +158,7 @@ def test_cold_build_publishes_a_verified_entry_and_loads_it(compiled, monkeypatc
 
     import torch
 
-    ops = getattr(torch.ops, f"jitattn_{spec.name}")
+    ops = getattr(torch.ops, loader.op_namespace(spec, key))
     assert callable(ops.run) and compiled.module.run is not None
     seconds = manifest["built"]["seconds"]
     assert 0 < seconds < 600
@@ -166,6 +166,7 @@ def test_cold_build_publishes_a_verified_entry_and_loads_it(compiled, monkeypatc
 
 
 def test_warm_load_in_a_new_process_compiles_nothing_and_starts_no_subprocess(compiled):
+    namespace = loader.op_namespace(compiled.spec, compiled.key)
     script = f"""
         import json, os, subprocess, sys, time
         import jitattn
@@ -186,7 +187,7 @@ def test_warm_load_in_a_new_process_compiles_nothing_and_starts_no_subprocess(co
             "compiles": loader.COMPILE_COUNT,
             "entry": str(module.entry.path),
             "heavy": [m for m in {HEAVY_MODULES!r} if m in sys.modules],
-            "has_run": hasattr(getattr(torch.ops, "jitattn_{compiled.spec.name}"), "run"),
+            "has_run": hasattr(getattr(torch.ops, "{namespace}"), "run"),
         }}))
     """
     result = run_child(script, compiled.root)

@@ -1,7 +1,7 @@
 """Decode benchmark: jitattn vs torch SDPA on the same shapes in the same run.
 
-fp16, head_dim 128, MHA 32/32 and GQA 32/8, kv_len 1k..128k. CUDA-event timing, warm-up, L2
-flushed before every call, median. TB/s counts the K and V bytes read once.
+fp16, head_dim 128, MHA 32/32 and GQA 32/8, kv_len 1k..128k. CUDA-event timing, warm-up, cold
+L2 (inputs rotated over >= 256 MB), host time hidden, median. TB/s counts K and V bytes read once.
 Run: PYTHONPATH=. python tools/bench_decode.py [--quick]
 """
 from __future__ import annotations
@@ -15,22 +15,24 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jitattn  # noqa: E402
-from bench_util import host_us_per_call, time_us  # noqa: E402
+from bench_util import host_us_per_call, sets_needed, time_us  # noqa: E402
 
 
 def bench_row(num_qo, num_kv, kv_len, head_dim=128, dtype=torch.float16):
-    q = torch.randn(num_qo, head_dim, device="cuda", dtype=dtype)
-    k = torch.randn(kv_len, num_kv, head_dim, device="cuda", dtype=dtype)
-    v = torch.randn(kv_len, num_kv, head_dim, device="cuda", dtype=dtype)
-    # SDPA gets its natural (B, H, L, D) layout, contiguous, so it pays no copies.
-    qs = q.view(1, num_qo, 1, head_dim)
-    ks = k.permute(1, 0, 2).contiguous().unsqueeze(0)
-    vs = v.permute(1, 0, 2).contiguous().unsqueeze(0)
-    gqa = num_qo != num_kv
-    ours = time_us(lambda: jitattn.single_decode_with_kv_cache(q, k, v))
-    sdpa = time_us(lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=gqa))
-    nbytes = 2 * kv_len * num_kv * head_dim * q.element_size()
-    return ours, sdpa, nbytes / ours / 1e6
+    nbytes = 2 * kv_len * num_kv * head_dim * torch.finfo(dtype).bits // 8
+    ours, sdpa = [], []
+    for _ in range(sets_needed(nbytes)):
+        q = torch.randn(num_qo, head_dim, device="cuda", dtype=dtype)
+        k = torch.randn(kv_len, num_kv, head_dim, device="cuda", dtype=dtype)
+        v = torch.randn(kv_len, num_kv, head_dim, device="cuda", dtype=dtype)
+        # SDPA gets its natural (B, H, L, D) layout, contiguous, so it pays no copies.
+        qs = q.view(1, num_qo, 1, head_dim)
+        ks = k.permute(1, 0, 2).contiguous().unsqueeze(0)
+        vs = v.permute(1, 0, 2).contiguous().unsqueeze(0)
+        ours.append(lambda q=q, k=k, v=v: jitattn.single_decode_with_kv_cache(q, k, v))
+        sdpa.append(lambda qs=qs, ks=ks, vs=vs: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=num_qo != num_kv))
+    ours_us, sdpa_us = time_us(ours), time_us(sdpa)
+    return ours_us, sdpa_us, nbytes / ours_us / 1e6
 
 
 def main():

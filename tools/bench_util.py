@@ -1,36 +1,41 @@
-"""Timing helpers for the benchmarks: CUDA events, warm-up, cold L2, median."""
+"""Timing helpers for the benchmarks: CUDA events, warm-up, cold L2, median.
+
+Cold L2 comes from rotating inputs: each timed call reads a different input set, and the sets
+together exceed the 60 MB L2 several times, so no call finds its inputs in L2. (Flushing by
+writing a large buffer would leave L2 full of dirty lines whose write-back competes with the
+timed kernel's reads, which no real decode step pays.)
+"""
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
-_flush_buffer: torch.Tensor | None = None
+ROTATION_BYTES = 256 << 20  # input sets per shape cover at least this much memory
 
 
-def flush_l2() -> None:
-    """Overwrite 256 MB so no input stays in the 60 MB L2 between timed calls."""
-    global _flush_buffer
-    if _flush_buffer is None:
-        _flush_buffer = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    _flush_buffer.zero_()
+def sets_needed(bytes_per_set: int) -> int:
+    return max(2, -(-ROTATION_BYTES // bytes_per_set))
 
 
-def time_us(fn, warmup: int = 5, reps: int = 30) -> float:
-    """Median device time of fn() in microseconds, L2 flushed before each call.
+def time_us(fns, warmup: int = 5, reps: int = 30) -> float:
+    """Median device time of one call in microseconds; `fns` is a list of calls on distinct
+    input sets, used round-robin.
 
-    After the flush the GPU also spins ~100 us, so the host has enqueued the whole call before
-    the start event is reached: the time is the device's (kernels and the gaps between them),
-    not the host's. Host time per call is measured separately (host_us_per_call)."""
-    for _ in range(warmup):
-        fn()
+    Before each start event the GPU spins ~100 us, so the host has enqueued the whole call by the
+    time the start event is reached: this is device time (kernels and the gaps between them).
+    Host time per call is measured separately (host_us_per_call)."""
+    if callable(fns):
+        fns = [fns]
+    for i in range(warmup):
+        fns[i % len(fns)]()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(starts, ends):
-        flush_l2()
+    for i, (s, e) in enumerate(zip(starts, ends)):
         torch.cuda._sleep(200_000)  # ~100 us at 1.98 GHz
         s.record()
-        fn()
+        fns[(i + warmup) % len(fns)]()
         e.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
@@ -38,8 +43,6 @@ def time_us(fn, warmup: int = 5, reps: int = 30) -> float:
 
 def host_us_per_call(fn, calls: int = 10000) -> float:
     """Wall time per call of a loop of `calls` calls, synchronizing once at the end."""
-    import time
-
     for _ in range(100):
         fn()
     torch.cuda.synchronize()
