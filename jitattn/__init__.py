@@ -1,6 +1,9 @@
-"""jitattn: attention kernels generated and compiled per specialization, cached on disk."""
+"""jitattn: attention kernels generated and compiled per specialization, cached on disk.
+
+The API functions are imported on first use, so the command line and the cache tools start
+without importing torch.
+"""
 from jitattn._log import setup_logging
-from jitattn.decode import single_decode_with_kv_cache
 from jitattn.errors import (
     CacheLockTimeout,
     CacheNotWritable,
@@ -20,4 +23,17 @@ __all__ = [
     "ToolchainError",
     "single_decode_with_kv_cache",
 ]
+_LAZY = {"single_decode_with_kv_cache": "jitattn.decode"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'jitattn' has no attribute {name!r}")
+
+
 setup_logging()

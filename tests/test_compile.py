@@ -169,6 +169,7 @@ def test_warm_load_in_a_new_process_compiles_nothing_and_starts_no_subprocess(co
     namespace = loader.op_namespace(compiled.spec, compiled.key)
     script = f"""
         import json, os, subprocess, sys, time
+        import torch  # the budget is counted from after `import torch`
         import jitattn
         from jitattn.jit import loader
         from jitattn.jit.spec import spec_from_dict

@@ -1,5 +1,1 @@
-"""The JIT pipeline: spec -> render -> build -> cache -> load. See DESIGN.md."""
-from jitattn.jit.loader import get_module
-from jitattn.jit.spec import DecodeSpec, KernelSpec
-
-__all__ = ["DecodeSpec", "KernelSpec", "get_module"]
+"""The JIT pipeline: spec -> render -> build -> cache -> load. See README "How the cache works"."""

@@ -15,7 +15,6 @@ import shutil
 import socket
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 MANIFEST = "manifest.json"
@@ -24,10 +23,22 @@ STAGING = "staging"
 LOCKS = "locks"
 
 
-@dataclass(frozen=True)
 class CacheEntry:
-    path: Path
-    manifest: dict
+    """A verified entry: its directory and parsed manifest."""
+
+    __slots__ = ("path", "manifest")
+
+    def __init__(self, path: Path, manifest: dict):
+        self.path = path
+        self.manifest = manifest
+
+    def __repr__(self) -> str:
+        return f"CacheEntry({self.path})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, CacheEntry) and (self.path, self.manifest) == (other.path, other.manifest)
+
+    __hash__ = None  # a manifest dict is not hashable
 
     @property
     def library(self) -> Path:

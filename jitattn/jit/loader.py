@@ -14,7 +14,6 @@ import shutil
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from jitattn.errors import CacheNotWritable, MissingSpecializationError, ToolchainError
@@ -29,11 +28,15 @@ _process_lock = threading.RLock()
 COMPILE_COUNT = 0  # compiles done by this process (tests and tools read it)
 
 
-@dataclass
 class LoadedModule:
-    spec: KernelSpec
-    entry: cache.CacheEntry
-    ops: object  # torch.ops.<namespace>
+    """A loaded specialization: its spec, cache entry and op namespace (torch.ops.<namespace>)."""
+
+    __slots__ = ("spec", "entry", "ops")
+
+    def __init__(self, spec: KernelSpec, entry: cache.CacheEntry, ops):
+        self.spec = spec
+        self.entry = entry
+        self.ops = ops
 
     def __getattr__(self, op_name: str):
         return getattr(self.ops, op_name)
@@ -65,15 +68,16 @@ def current_target(spec: KernelSpec, root: Path | None = None) -> keys.BuildTarg
     return keys.BuildTarget(archs, tc.nvcc_release, tc.host_cxx_version)
 
 
-@dataclass
 class _Lookup:
-    """What the cache layers hold for a spec, and how to build it if they hold nothing."""
+    """What the cache layers hold for a spec, and how to build it if they hold nothing:
+    `build` is (target, components, key) when this process may build, `failure` why it
+    cannot when it may not."""
 
-    entry: cache.CacheEntry | None
-    archs: tuple[str, ...]
-    arch_tag: str
-    build: tuple | None = None  # (target, components, key) when this process may build
-    failure: Exception | None = None  # why it cannot, when it may not
+    __slots__ = ("entry", "archs", "arch_tag", "build", "failure")
+
+    def __init__(self, entry, archs, arch_tag, build=None, failure=None):
+        self.entry, self.archs, self.arch_tag = entry, archs, arch_tag
+        self.build, self.failure = build, failure
 
 
 def _lookup(spec: KernelSpec, force: bool = False) -> _Lookup:
