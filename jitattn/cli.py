@@ -11,7 +11,7 @@ from pathlib import Path
 
 from jitattn.jit import cache, env, keys, toolchain
 from jitattn.jit.manifest import expand, read_manifest, unique
-from jitattn.jit.spec import FAMILIES, DecodeSpec, KernelSpec, spec_from_dict
+from jitattn.jit.spec import DecodeSpec, KernelSpec, spec_from_dict
 
 
 def main(argv: list[str] | None = None) -> int:

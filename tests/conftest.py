@@ -33,3 +33,15 @@ def cache_root(tmp_path, monkeypatch):
 
 def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require_nvcc() -> None:
+    """Compile tests need nvcc: they fail under CI=true without it (CI must compile), else skip."""
+    from jitattn.jit import toolchain
+
+    home, why = toolchain.resolve_cuda_home()
+    if home is None or not (home / "bin" / "nvcc").exists():
+        message = f"nvcc not found ({why}); compile tests need a CUDA toolkit"
+        if in_ci():
+            pytest.fail(message)
+        pytest.skip(message)

@@ -20,21 +20,12 @@ from jitattn import cli
 from jitattn.jit import cache, env, keys, loader, manifest, record, toolchain
 from jitattn.jit.prewarm import Outcome
 from jitattn.jit.spec import DecodeSpec
-from tests.conftest import in_ci
+from tests.conftest import require_nvcc
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC = DecodeSpec(head_dim=64)
 # Variables the CLI (or a build it runs) sets in its own process environment.
 CLI_SETS = ("JITATTN_CUDA_ARCH_LIST", "TORCH_CUDA_ARCH_LIST", "JITATTN_BUILD_JOBS", "CUDA_HOME", "MAX_JOBS")
-
-
-def require_nvcc() -> None:
-    home, why = toolchain.resolve_cuda_home()
-    if home is None or not (home / "bin" / "nvcc").exists():
-        message = f"nvcc not found ({why}); compile tests need a CUDA toolkit"
-        if in_ci():
-            pytest.fail(message)
-        pytest.skip(message)
 
 
 @pytest.fixture(autouse=True)

@@ -22,10 +22,10 @@ import pytest
 
 import jitattn
 from jitattn.errors import CacheNotWritable, JitCompileError, MissingSpecializationError
-from jitattn.jit import cache, keys, loader, record, render, toolchain
+from jitattn.jit import cache, keys, loader, record, render
 from jitattn.jit.manifest import read_manifest
 from jitattn.jit.spec import DecodeSpec
-from tests.conftest import in_ci
+from tests.conftest import require_nvcc
 
 pytestmark = pytest.mark.compile
 
@@ -39,15 +39,6 @@ ENTRY_FILES = {"module.so", "binding.cpp", "kernels.cu", "manifest.json"}
 # What load_inline leaves in its build directory; none of it may reach a published entry.
 BUILD_LEFTOVER = re.compile(r"(\.o|\.ninja_deps|\.ninja_log|build\.ninja|^main\.cpp|^cuda\.cu|^lock)$")
 HEAVY_MODULES = ("filelock", "jinja2", "torch.utils.cpp_extension", "jitattn.jit.build", "jitattn.jit.lock")
-
-
-def require_nvcc() -> None:
-    home, why = toolchain.resolve_cuda_home()
-    if home is None or not (home / "bin" / "nvcc").exists():
-        message = f"nvcc not found ({why}); compile tests need a CUDA toolkit"
-        if in_ci():
-            pytest.fail(message)
-        pytest.skip(message)
 
 
 @pytest.fixture(autouse=True)

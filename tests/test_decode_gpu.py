@@ -1,6 +1,5 @@
 """single_decode_with_kv_cache on a GPU against the float64 reference (skipped without a GPU)."""
 import itertools
-import math
 
 import pytest
 import torch
