@@ -8,8 +8,10 @@ import numbers
 import torch
 
 SUPPORTED_HEAD_DIMS = tuple(range(32, 257, 16))
-DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+Q_DTYPES = (torch.float16, torch.bfloat16)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16",
+               torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
 
 
 def tensor(name: str, value, ndim: int, shape_doc: str) -> torch.Tensor:

@@ -75,15 +75,14 @@ def single_decode_with_kv_cache(
         check.positive_float("rope_theta", rope_theta, 1e4)
 
     dtype = q.dtype
-    if dtype not in check.DTYPE_NAMES:
+    if dtype not in check.Q_DTYPES:
         raise TypeError(f"q must be float16 or bfloat16, got {dtype}")
     kv_dtype = k.dtype
     if kv_dtype != v.dtype:
         raise TypeError(f"k and v must have the same dtype, got k {kv_dtype} and v {v.dtype}")
-    if kv_dtype != dtype:
-        if kv_dtype in check.FP8_DTYPES:
-            raise NotImplementedError(f"fp8 k/v ({kv_dtype}) is not implemented yet")
-        raise TypeError(f"k/v dtype must match q ({dtype}) or be fp8, got {kv_dtype}")
+    fp8 = kv_dtype in check.FP8_DTYPES
+    if kv_dtype != dtype and not fp8:
+        raise TypeError(f"k/v dtype must match q ({dtype}) or be float8_e4m3fn/float8_e5m2, got {kv_dtype}")
     kv_shape = k.shape
     if kv_shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {tuple(kv_shape)} and v {tuple(v.shape)}")
@@ -92,6 +91,8 @@ def single_decode_with_kv_cache(
     if kv_head_dim != head_dim:
         raise ValueError(f"head_dim of k/v ({kv_head_dim}) must equal head_dim of q ({head_dim})")
     check.head_dim("q.shape[1]", head_dim)
+    if fp8 and head_dim % 32:
+        raise ValueError(f"head_dim (q.shape[1]) must be a multiple of 32 with fp8 k/v, got {head_dim}")
     if num_kv_heads < 1 or num_qo_heads < 1:
         raise ValueError(f"need at least one head, got num_qo_heads={num_qo_heads}, num_kv_heads={num_kv_heads}")
     if num_qo_heads % num_kv_heads:
@@ -100,19 +101,16 @@ def single_decode_with_kv_cache(
         raise ValueError(f"kv_len must be >= 1, got an empty KV cache (k shape {tuple(kv_shape)})")
     if kv_len >= 2**31:
         raise ValueError(f"kv_len must be < 2**31, got {kv_len}")
-    if pos_encoding_mode != "NONE":
-        raise NotImplementedError(f"pos_encoding_mode={pos_encoding_mode!r} is not implemented yet")
     if use_tensor_cores:
         raise NotImplementedError("use_tensor_cores=True is not implemented yet")
-    if v_scale is not None and v_scale != 1.0:
-        raise NotImplementedError("v_scale is not implemented yet (it comes with fp8 KV)")
     device = q.device
     if device.type != "cuda" or k.device != device or v.device != device:  # last: the rest is testable on CPU
         check.cuda_device({"q": q, "k": k, "v": v})
 
     group_size = num_qo_heads // num_kv_heads
-    spec_fields = (head_dim, check.DTYPE_NAMES[dtype], check.DTYPE_NAMES[kv_dtype], "NONE", cap > 0,
-                   DecodeSpec.group_tile_for(group_size))
+    kv_name = check.DTYPE_NAMES[kv_dtype]
+    spec_fields = (head_dim, check.DTYPE_NAMES[dtype], kv_name, pos_encoding_mode, cap > 0,
+                   DecodeSpec.group_tile_for(group_size, kv_name))
     kernel = _kernels.get(spec_fields)
     if kernel is None:
         kernel = _kernels[spec_fields] = _Kernel(get_module(DecodeSpec(*spec_fields)))
@@ -120,11 +118,13 @@ def single_decode_with_kv_cache(
     q, k, v = check.vector_ready(q), check.vector_ready(k), check.vector_ready(v)
     kv_begin = kv_len - 1 - window_left if 0 <= window_left < kv_len - 1 else 0
     group_tiles = -(-group_size // spec_fields[-1])
-    chunk_len, num_chunks = _split(kv_len - kv_begin, num_kv_heads * group_tiles, head_dim,
+    chunk_len, num_chunks = _split(kv_len - kv_begin, num_kv_heads * group_tiles, rows_per_tile(head_dim, k.element_size()),
                                    kernel.capacity(device) // 2)
 
     q_factor = scale / cap if cap > 0 else scale * LOG2E
-    out, lse = kernel.run(q, k, v, hnd, kv_begin, kv_len, group_size, chunk_len, num_chunks, q_factor, cap * LOG2E)
+    out, lse = kernel.run(q, k, v, hnd, kv_begin, kv_len, group_size, chunk_len, num_chunks, q_factor, cap * LOG2E,
+                          1.0 if v_scale is None else v_scale, 1.0 if rope_scale is None else rope_scale,
+                          1e4 if rope_theta is None else rope_theta)
     if env.debug():
         torch.cuda.synchronize(device)
     return (out, lse) if return_lse else out
@@ -152,14 +152,14 @@ def _soft_cap(value) -> float:
     return cap
 
 
-def rows_per_tile(head_dim: int) -> int:
-    """Rows one pipeline stage holds: 128 threads, pow2(head_dim/8) threads per row, 4 rows each
-    (mirrors TILE in templates/decode/kernels.cu.j2)."""
-    lanes = 1 << (head_dim // 8 - 1).bit_length()
+def rows_per_tile(head_dim: int, kv_element_size: int) -> int:
+    """Rows one pipeline stage holds: 128 threads, pow2(head_dim / elements per 16 bytes)
+    threads per row, 4 rows each (mirrors TILE in templates/decode/kernels.cu.j2)."""
+    lanes = 1 << (head_dim * kv_element_size // 16 - 1).bit_length()
     return (128 // lanes) * 4
 
 
-def _split(rows: int, ctas_per_chunk: int, head_dim: int, capacity: int) -> tuple[int, int]:
+def _split(rows: int, ctas_per_chunk: int, tile: int, capacity: int) -> tuple[int, int]:
     """(chunk_len, num_chunks) for `rows` KV rows.
 
     Rule: the most chunks whose CTAs fit in `capacity`, which the caller sets to half a wave (SMs x
@@ -168,7 +168,6 @@ def _split(rows: int, ctas_per_chunk: int, head_dim: int, capacity: int) -> tupl
     merge; two CTAs per SM already keep 64 KB of loads in flight). No chunk shorter than MIN_CHUNK_TILES tiles (short chunks cost more in partials and merging
     than they gain), and at most MAX_CHUNKS. One chunk means one launch and no merge. Chunks are
     whole tiles, so only the last one has a ragged end."""
-    tile = rows_per_tile(head_dim)
     tiles = -(-rows // tile)
     chunks = max(1, min(capacity // ctas_per_chunk, -(-tiles // MIN_CHUNK_TILES), MAX_CHUNKS))
     chunk_len = -(-tiles // chunks) * tile

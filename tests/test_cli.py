@@ -215,14 +215,14 @@ def test_missing_manifest_exits_2(tmp_path, capsys):
 @pytest.mark.compile
 def test_prewarm_of_a_spec_that_fails_to_compile_exits_1(cache_root, capsys):
     require_nvcc()
-    # head_dim 40 passes spec parsing but trips the kernel's static_assert (multiple of 16).
-    code, out, err = run_cli(capsys, "prewarm", "--spec", '{"family": "decode", "head_dim": 40}', "--arch", "9.0")
+    # head_dim 36 passes spec parsing but trips the kernel's static_assert (whole 16-byte vectors).
+    code, out, err = run_cli(capsys, "prewarm", "--spec", '{"family": "decode", "head_dim": 36}', "--arch", "9.0")
     assert code == 1, err
     assert "built 0, already cached 0, failed 1" in out
-    assert re.search(r"decode_f16_kvf16_d40\S*\s+failed", out)
+    assert re.search(r"decode_f16_kvf16_d36\S*\s+failed", out)
     assert "JitCompileError" in out and "full compiler log" in out
     log = re.search(r"full compiler log: (\S+)", out).group(1)
-    assert Path(log).is_file() and "head_dim must be a multiple of 16" in Path(log).read_text()
+    assert Path(log).is_file() and "head_dim must be whole 16-byte vectors" in Path(log).read_text()
     assert list(cache.entries(cache_root)) == []
     assert not any((cache_root / cache.STAGING).iterdir())
 

@@ -129,3 +129,66 @@ def test_decode_cuda_graph_replay_matches_eager():
     ref, _ = single_decode_reference(q, k, v)
     assert_close(captured, ref, 4e-3, 2e-2, "graph replay with new q")
     assert not torch.equal(captured, eager)
+
+
+# ---------------------------------------------------------------- positional encodings and fp8
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+POS_GRID = list(itertools.product(["ROPE_LLAMA", "ALIBI"], [64, 128, 256], [torch.float16, torch.bfloat16],
+                                  ["NHD", "HND"], [(8, 8), (16, 4)], [1, 255, 4096, 32768]))
+
+
+def check_modes(q, k, v, what, layout="NHD", **kwargs):
+    want_lse = kwargs.pop("return_lse", True)
+    poison_allocator(q.numel() * q.element_size())
+    out, lse = jitattn.single_decode_with_kv_cache(q, k, v, kv_layout=layout, return_lse=True, **kwargs)
+    ref_out, ref_lse = single_decode_reference(q, k, v, kv_layout=layout, **kwargs)
+    rel, abs_ = TOL[q.dtype]
+    assert_close(out, ref_out, rel, abs_, what)
+    if want_lse:
+        # ALiBi biases reach slope * kv_len: compare the LSE relative to its size.
+        assert_close(lse, ref_lse, 1e-4, 2e-3 * max(1.0, ref_lse.abs().max().item() / 100), what + " lse")
+
+
+@pytest.mark.parametrize("case", range(len(POS_GRID)))
+def test_decode_positional_encodings_match_reference(case):
+    mode, head_dim, dtype, layout, (num_qo, num_kv), kv_len = POS_GRID[case]
+    q, k, v = make_inputs(num_qo, num_kv, kv_len, head_dim, dtype, layout, seed=1000 + case)
+    extra = {"rope_scale": 2.0, "rope_theta": 5e5} if case % 3 == 0 and mode == "ROPE_LLAMA" else {}
+    window = kv_len // 2 if case % 4 == 1 else -1
+    check_modes(q, k, v, f"{mode} d{head_dim} {dtype} {layout} {num_qo}/{num_kv} L={kv_len} {extra} win={window}",
+                layout=layout, pos_encoding_mode=mode, window_left=window, **extra)
+
+
+@pytest.mark.parametrize("mode", ["ROPE_LLAMA", "ALIBI"])
+def test_decode_positional_encodings_with_soft_cap(mode):
+    q, k, v = make_inputs(16, 4, 3000, 128, torch.bfloat16, "NHD", seed=77)
+    check_modes(q, k, v, f"{mode} + cap", pos_encoding_mode=mode, logits_soft_cap=30.0)
+
+
+FP8_GRID = list(itertools.product(FP8, [torch.float16, torch.bfloat16], ["NONE", "ROPE_LLAMA", "ALIBI"],
+                                  [(8, 8), (16, 4)], [1, 300, 4096, 32768]))
+
+
+@pytest.mark.parametrize("case", range(len(FP8_GRID)))
+def test_decode_fp8_kv_matches_reference(case):
+    kv_dtype, dtype, mode, (num_qo, num_kv), kv_len = FP8_GRID[case]
+    layout = ["NHD", "HND"][case % 2]
+    q, k, v = make_inputs(num_qo, num_kv, kv_len, 128, dtype, layout, seed=2000 + case)
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
+    scales = {"q_scale": 0.5, "k_scale": 2.0, "v_scale": 0.25} if case % 2 else {}
+    check_modes(q, k, v, f"{kv_dtype} q={dtype} {mode} {layout} {num_qo}/{num_kv} L={kv_len} {scales}",
+                layout=layout, pos_encoding_mode=mode, **scales)
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_decode_fp8_kv_other_head_dims(head_dim):
+    q, k, v = make_inputs(16, 4, 5000, head_dim, torch.bfloat16, "NHD", seed=head_dim)
+    check_modes(q, k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), f"fp8 d{head_dim}")
+
+
+def test_decode_v_scale_scales_the_output_only():
+    q, k, v = make_inputs(8, 2, 5000, 128, torch.float16, "NHD", seed=31)
+    base, base_lse = jitattn.single_decode_with_kv_cache(q, k, v, return_lse=True)
+    scaled, scaled_lse = jitattn.single_decode_with_kv_cache(q, k, v, v_scale=0.5, return_lse=True)
+    assert torch.equal(base_lse, scaled_lse)
+    assert_close(scaled, base.double() * 0.5, 2e-3, 1e-2, "v_scale")

@@ -78,10 +78,6 @@ INVALID = [
     ("layout-not-str", {"kv_layout": 0}, TypeError, ["kv_layout", "int"]),
     ("pos-unknown", {"pos_encoding_mode": "ROPE"}, ValueError, ["pos_encoding_mode", "ROPE"]),
     ("pos-not-str", {"pos_encoding_mode": None}, TypeError, ["pos_encoding_mode"]),
-    ("pos-rope-llama-not-implemented", {"pos_encoding_mode": "ROPE_LLAMA"}, NotImplementedError,
-     ["pos_encoding_mode", "ROPE_LLAMA"]),
-    ("pos-alibi-not-implemented", {"pos_encoding_mode": "ALIBI"}, NotImplementedError,
-     ["pos_encoding_mode", "ALIBI"]),
     # -- booleans
     ("tensor-cores-not-implemented", {"use_tensor_cores": True}, NotImplementedError, ["use_tensor_cores"]),
     ("tensor-cores-int", {"use_tensor_cores": 1}, TypeError, ["use_tensor_cores", "bool"]),
@@ -109,7 +105,6 @@ INVALID = [
     ("k-scale-negative", {"k_scale": -0.5}, ValueError, ["k_scale"]),
     ("k-scale-tensor", {"k_scale": lambda: torch.tensor([1.0, 2.0])}, TypeError, ["k_scale"]),
     ("v-scale-nan", {"v_scale": math.nan}, ValueError, ["v_scale"]),
-    ("v-scale-not-one-not-implemented", {"v_scale": 2.0}, NotImplementedError, ["v_scale"]),
     ("rope-theta-negative", {"rope_theta": -1e4}, ValueError, ["rope_theta"]),
     ("rope-theta-str", {"rope_theta": "1e4"}, TypeError, ["rope_theta"]),
     ("rope-scale-zero", {"rope_scale": 0.0}, ValueError, ["rope_scale"]),
@@ -119,15 +114,13 @@ INVALID = [
     ("k-v-dtype-mismatch", {"v": tensor(16, 2, 64, dtype=BF16)}, TypeError, ["k", "v", "bfloat16"]),
     ("k-v-bf16-with-q-f16", with_tensors(dtype=F16, kv_dtype=BF16), TypeError, ["k/v", "float16", "bfloat16"]),
     ("k-v-float32", with_tensors(dtype=F16, kv_dtype=torch.float32), TypeError, ["k/v", "float32"]),
-    ("fp8-e4m3-kv-not-implemented", with_tensors(kv_dtype=torch.float8_e4m3fn), NotImplementedError,
-     ["fp8", "float8_e4m3fn"]),
-    ("fp8-e5m2-kv-not-implemented", with_tensors(dtype=BF16, kv_dtype=torch.float8_e5m2), NotImplementedError,
-     ["fp8", "float8_e5m2"]),
     # -- shapes
     ("k-v-shape-mismatch", {"v": tensor(17, 2, 64)}, ValueError, ["k", "v", "(16, 2, 64)", "(17, 2, 64)"]),
     ("head-dim-q-64-kv-128", {"k": tensor(16, 2, 128), "v": tensor(16, 2, 128)}, ValueError,
      ["head_dim", "128", "64"]),
     ("head-dim-40", with_tensors(head_dim=40), ValueError, ["head_dim", "40"]),
+    ("fp8-head-dim-48", with_tensors(head_dim=48, kv_dtype=torch.float8_e4m3fn), ValueError,
+     ["head_dim", "multiple of 32", "fp8", "48"]),
     ("head-dim-8", with_tensors(head_dim=8), ValueError, ["head_dim", "8"]),
     ("head-dim-512", with_tensors(head_dim=512), ValueError, ["head_dim", "512"]),
     ("head-dim-272", with_tensors(head_dim=272), ValueError, ["head_dim", "272"]),
@@ -202,6 +195,11 @@ VALID = [
     ("int-scales", {"sm_scale": 1, "q_scale": 2, "k_scale": 3, "v_scale": 1}),
     ("rope-args-accepted", {"rope_scale": 2.0, "rope_theta": 5e5}),
     ("return-lse", {"return_lse": True}),
+    ("rope-llama", {"pos_encoding_mode": "ROPE_LLAMA"}),
+    ("alibi", {"pos_encoding_mode": "ALIBI"}),
+    ("v-scale", {"v_scale": 0.5}),
+    ("fp8-e4m3-kv", with_tensors(kv_dtype=torch.float8_e4m3fn)),
+    ("fp8-e5m2-kv-bf16-q", with_tensors(dtype=BF16, kv_dtype=torch.float8_e5m2)),
     ("strided-last-dim-is-copied", {"k": lambda: torch.zeros(16, 2, 128, dtype=F16)[..., ::2],
                                     "v": lambda: torch.zeros(16, 2, 128, dtype=F16)[..., ::2]}),
     ("meta-tensors", {"q": tensor(8, 64), "k": lambda: torch.empty(16, 2, 64, dtype=F16, device="meta"),
@@ -263,7 +261,7 @@ def test_vector_ready_copies_when_a_row_stride_is_not_a_16_byte_multiple():
 
 
 # ------------------------------------------------------------------ split-KV rule
-# _split(rows, ctas_per_chunk, head_dim, capacity): capacity is the CTAs one wave holds
+# _split(rows, ctas_per_chunk, tile, capacity): capacity is the CTAs one wave holds
 # (SMs x resident CTAs per SM); an H200 has 132 SMs.
 
 SMS = 132
@@ -278,13 +276,18 @@ def _template_constant(name: str) -> int:
     return int(match.group(1))
 
 
+@pytest.mark.parametrize("elem_size", [2, 1])
 @pytest.mark.parametrize("head_dim", range(32, 257, 16))
-def test_rows_per_tile_mirrors_the_kernel_template_tile(head_dim):
-    threads, vec, rows_per_thread = (_template_constant(n) for n in ("THREADS", "VEC", "ROWS_PER_THREAD"))
+def test_rows_per_tile_mirrors_the_kernel_template_tile(head_dim, elem_size):
+    threads, rows_per_thread = (_template_constant(n) for n in ("THREADS", "ROWS_PER_THREAD"))
+    # The kernel's VEC is one 16-byte vector of kv elements.
+    assert "constexpr int VEC = kPerVec<DTypeKV>;" in (TEMPLATES / "decode" / "kernels.cu.j2").read_text()
+    assert "constexpr int kPerVec = 16 / sizeof(T);" in (TEMPLATES / "common" / "dtypes.cuh").read_text()
+    vec = 16 // elem_size
     lanes = 1
     while lanes < head_dim // vec:
         lanes *= 2
-    assert decode.rows_per_tile(head_dim) == (threads // lanes) * rows_per_thread
+    assert decode.rows_per_tile(head_dim, elem_size) == (threads // lanes) * rows_per_thread
 
 
 def test_max_chunks_matches_the_kernel_template():
@@ -295,9 +298,9 @@ def test_max_chunks_matches_the_kernel_template():
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("ctas_per_chunk", [1, 8, 32])
 def test_split_gives_one_chunk_when_the_rows_fit_one_tile(head_dim, ctas_per_chunk):
-    tile = decode.rows_per_tile(head_dim)
+    tile = decode.rows_per_tile(head_dim, 2)
     for rows in (1, tile // 2, tile):
-        chunk_len, chunks = decode._split(rows, ctas_per_chunk, head_dim, WAVE)
+        chunk_len, chunks = decode._split(rows, ctas_per_chunk, decode.rows_per_tile(head_dim, 2), WAVE)
         assert chunks == 1 and chunk_len >= rows and chunk_len % tile == 0
 
 
@@ -308,9 +311,9 @@ ROWS = [1, 2, 31, 32, 33, 63, 64, 65, 100, 1000, 4095, 4096, 4097, 32768, 100_00
 @pytest.mark.parametrize("ctas_per_chunk", [1, 2, 5, 32, 64, 131, 528, 4096])
 @pytest.mark.parametrize("capacity", [SMS, WAVE, 8 * SMS])
 def test_split_chunks_are_whole_tiles_cover_the_rows_and_fit_one_wave(head_dim, ctas_per_chunk, capacity):
-    tile = decode.rows_per_tile(head_dim)
+    tile = decode.rows_per_tile(head_dim, 2)
     for rows in ROWS:
-        chunk_len, chunks = decode._split(rows, ctas_per_chunk, head_dim, capacity)
+        chunk_len, chunks = decode._split(rows, ctas_per_chunk, decode.rows_per_tile(head_dim, 2), capacity)
         what = f"rows={rows} ctas_per_chunk={ctas_per_chunk} head_dim={head_dim}: ({chunk_len}, {chunks})"
         assert 1 <= chunks <= decode.MAX_CHUNKS, what
         assert chunk_len > 0 and chunk_len % tile == 0, what
@@ -323,14 +326,14 @@ def test_split_chunks_are_whole_tiles_cover_the_rows_and_fit_one_wave(head_dim, 
 
 
 def test_split_of_a_long_sequence_over_one_head_uses_max_chunks():
-    chunk_len, chunks = decode._split(1 << 20, 1, 128, WAVE)
+    chunk_len, chunks = decode._split(1 << 20, 1, decode.rows_per_tile(128, 2), WAVE)
     assert chunks == decode.MAX_CHUNKS
     assert chunk_len == (1 << 20) // decode.MAX_CHUNKS
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_split_of_32_kv_heads_at_4096_rows_fills_at_most_one_wave(head_dim):
-    chunk_len, chunks = decode._split(4096, 32, head_dim, WAVE)
+    chunk_len, chunks = decode._split(4096, 32, decode.rows_per_tile(head_dim, 2), WAVE)
     assert chunks > 1  # 32 CTAs alone would leave most of the 132 SMs idle
     assert chunks * 32 <= WAVE
     assert chunks * 32 >= SMS  # ...and at least one CTA per SM

@@ -1,8 +1,11 @@
 """Decode benchmark: jitattn vs torch SDPA on the same shapes in the same run.
 
-fp16, head_dim 128, MHA 32/32 and GQA 32/8, kv_len 1k..128k. CUDA-event timing, warm-up, cold
-L2 (inputs rotated over >= 256 MB), host time hidden, median. TB/s counts K and V bytes read once.
-Run: PYTHONPATH=. python tools/bench_decode.py [--quick]
+Rows: variant (fp16 NHD, fp16 HND, fp8 e4m3 KV, RoPE, ALiBi) x heads (32/32, 32/8, 32/4) x
+kv_len, head_dim 128, q fp16. SDPA runs the fp16 NHD shape in its natural (B, H, L, D) layout
+(enable_gqa for GQA): the peer for what a user would otherwise call. CUDA-event timing, warm-up,
+cold L2 (inputs rotated over >= 256 MB), host time hidden, median. TB/s counts K and V bytes
+read once (fp8 rows: one byte per element).
+Run: PYTHONPATH=. python tools/bench_decode.py [--quick] [--lengths 4096 32768] [--variants fp16 rope]
 """
 from __future__ import annotations
 
@@ -17,36 +20,62 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jitattn  # noqa: E402
 from bench_util import host_us_per_call, sets_needed, time_us  # noqa: E402
 
+VARIANTS = {
+    "fp16": dict(layout="NHD", kv_dtype=torch.float16, mode="NONE"),
+    "fp16-hnd": dict(layout="HND", kv_dtype=torch.float16, mode="NONE"),
+    "fp8-e4m3": dict(layout="NHD", kv_dtype=torch.float8_e4m3fn, mode="NONE"),
+    "rope": dict(layout="NHD", kv_dtype=torch.float16, mode="ROPE_LLAMA"),
+    "alibi": dict(layout="NHD", kv_dtype=torch.float16, mode="ALIBI"),
+}
+HEADS = [(32, 32), (32, 8), (32, 4)]
+LENGTHS = [1024, 4096, 8192, 32768, 131072]
 
-def bench_row(num_qo, num_kv, kv_len, head_dim=128, dtype=torch.float16):
-    nbytes = 2 * kv_len * num_kv * head_dim * torch.finfo(dtype).bits // 8
+
+def bench_row(variant, num_qo, num_kv, kv_len, head_dim=128):
+    cfg = VARIANTS[variant]
+    elem = torch.finfo(cfg["kv_dtype"]).bits // 8
+    nbytes = 2 * kv_len * num_kv * head_dim * elem
     ours, sdpa = [], []
     for _ in range(sets_needed(nbytes)):
-        q = torch.randn(num_qo, head_dim, device="cuda", dtype=dtype)
-        k = torch.randn(kv_len, num_kv, head_dim, device="cuda", dtype=dtype)
-        v = torch.randn(kv_len, num_kv, head_dim, device="cuda", dtype=dtype)
-        # SDPA gets its natural (B, H, L, D) layout, contiguous, so it pays no copies.
-        qs = q.view(1, num_qo, 1, head_dim)
-        ks = k.permute(1, 0, 2).contiguous().unsqueeze(0)
-        vs = v.permute(1, 0, 2).contiguous().unsqueeze(0)
-        ours.append(lambda q=q, k=k, v=v: jitattn.single_decode_with_kv_cache(q, k, v))
-        sdpa.append(lambda qs=qs, ks=ks, vs=vs: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=num_qo != num_kv))
-    ours_us, sdpa_us = time_us(ours), time_us(sdpa)
+        q = torch.randn(num_qo, head_dim, device="cuda", dtype=torch.float16)
+        shape = (kv_len, num_kv, head_dim) if cfg["layout"] == "NHD" else (num_kv, kv_len, head_dim)
+        k = torch.randn(shape, device="cuda", dtype=torch.float16).to(cfg["kv_dtype"])
+        v = torch.randn(shape, device="cuda", dtype=torch.float16).to(cfg["kv_dtype"])
+        ours.append(lambda q=q, k=k, v=v: jitattn.single_decode_with_kv_cache(
+            q, k, v, kv_layout=cfg["layout"], pos_encoding_mode=cfg["mode"]))
+        if variant == "fp16":
+            qs = q.view(1, num_qo, 1, head_dim)
+            ks = k.permute(1, 0, 2).contiguous().unsqueeze(0)
+            vs = v.permute(1, 0, 2).contiguous().unsqueeze(0)
+            sdpa.append(lambda qs=qs, ks=ks, vs=vs: F.scaled_dot_product_attention(
+                qs, ks, vs, enable_gqa=num_qo != num_kv))
+    ours_us = time_us(ours)
+    sdpa_us = time_us(sdpa) if sdpa else None
     return ours_us, sdpa_us, nbytes / ours_us / 1e6
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="fewer lengths")
+    parser.add_argument("--quick", action="store_true", help="fp16 rows at 1k/4k/32k only")
+    parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     args = parser.parse_args()
-    lengths = [1024, 4096, 32768] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
+    variants, lengths = (["fp16"], [1024, 4096, 32768]) if args.quick else (args.variants, args.lengths)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    print("\n| decode fp16 D128 | kv_len | jitattn us | TB/s | SDPA us | speedup |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for num_qo, num_kv in [(32, 32), (32, 8)]:
-        for kv_len in lengths:
-            ours, sdpa, tbs = bench_row(num_qo, num_kv, kv_len)
-            print(f"| {num_qo}/{num_kv} | {kv_len} | {ours:.1f} | {tbs:.2f} | {sdpa:.1f} | {sdpa / ours:.2f}x |", flush=True)
+    print("\n| variant | heads | kv_len | jitattn us | TB/s | SDPA fp16 us | speedup vs SDPA | vs fp16 row |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    fp16_us = {}
+    for variant in variants:
+        for num_qo, num_kv in HEADS:
+            for kv_len in lengths:
+                ours, sdpa, tbs = bench_row(variant, num_qo, num_kv, kv_len)
+                if variant == "fp16":
+                    fp16_us[num_qo, num_kv, kv_len] = ours
+                base = fp16_us.get((num_qo, num_kv, kv_len))
+                sdpa_cols = f"{sdpa:.1f} | {sdpa / ours:.2f}x" if sdpa else "- | -"
+                rel = f"{ours / base:.2f}" if base and variant != "fp16" else "-"
+                print(f"| {variant} | {num_qo}/{num_kv} | {kv_len} | {ours:.1f} | {tbs:.2f} | {sdpa_cols} | {rel} |",
+                      flush=True)
     q = torch.randn(32, 128, device="cuda", dtype=torch.float16)
     k = torch.randn(16, 32, 128, device="cuda", dtype=torch.float16)
     host_ours = host_us_per_call(lambda: jitattn.single_decode_with_kv_cache(q, k, k))

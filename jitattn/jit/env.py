@@ -30,13 +30,81 @@ def cache_dir() -> Path:
     explicit = os.environ.get("JITATTN_CACHE_DIR")
     if explicit:
         return Path(explicit).expanduser()
-    import platformdirs  # only here: costs ~6 ms to import
-
-    return Path(platformdirs.user_cache_dir("jitattn"))
+    path = _platform_cache_dir()
+    return path if path is not None else _fallback_cache_dir()
 
 
 def cache_dir_source() -> str:
-    return "JITATTN_CACHE_DIR" if os.environ.get("JITATTN_CACHE_DIR") else "platformdirs"
+    if os.environ.get("JITATTN_CACHE_DIR"):
+        return "JITATTN_CACHE_DIR"
+    return "platformdirs" if _platform_cache_dir() is not None else "temp dir fallback (no usable home)"
+
+
+def _platform_cache_dir() -> Path | None:
+    """platformdirs' user cache dir, or None when it has no usable home to derive it from.
+
+    Why this check exists: with HOME unset (or relative) and no passwd entry for the uid (a
+    container run as an arbitrary uid), platformdirs 4.x raises a bare RuntimeError from deep
+    inside jitattn's first call, and older platformdirs return the *relative* path
+    '~/.cache/jitattn', so the cache silently landed in './~/.cache/jitattn' of whatever the
+    current directory was. With HOME unset and a passwd home that does not exist (`nobody`:
+    /nonexistent) the derived path cannot be created by a user and would be created from
+    nothing by root. Those cases fall back to a per-user temp dir instead."""
+    import platformdirs  # only here: costs ~6 ms to import
+
+    try:
+        path = platformdirs.user_cache_dir("jitattn")
+    except RuntimeError:  # platformdirs >= 4: "could not determine the home directory"
+        return None
+    if not os.path.isabs(path):  # older platformdirs: '~/.cache/jitattn' left unexpanded
+        return None
+    if os.name == "posix" and not _is_abs_env("HOME") and not _is_abs_env("XDG_CACHE_HOME"):
+        # Derived from the passwd entry: <home>/.cache/jitattn. Use it only if that home exists.
+        if not os.path.isdir(os.path.dirname(os.path.dirname(path))):
+            return None
+    return Path(path)
+
+
+def _is_abs_env(name: str) -> bool:
+    return os.path.isabs(os.environ.get(name, ""))
+
+
+_fallback_warned: set[str] = set()
+
+
+def _fallback_cache_dir() -> Path:
+    """<tempdir>/jitattn-<uid>, created private (0700). A directory there that another user owns
+    or can write to is refused: its module.so files would be loaded into this process."""
+    import logging
+    import stat
+    import tempfile
+
+    uid = os.geteuid() if hasattr(os, "geteuid") else None
+    path = Path(tempfile.gettempdir()) / (f"jitattn-{uid}" if uid is not None else "jitattn")
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        # Not creatable: return it anyway. Lookups miss (seed dirs still serve), and a build
+        # raises CacheNotWritable naming this path and JITATTN_CACHE_DIR.
+        return path
+    if uid is not None:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022:
+            from jitattn.errors import CacheNotWritable
+
+            raise CacheNotWritable(
+                f"no home directory to put the jitattn cache in (HOME is not set), and the fallback "
+                f"{path} is not a private directory of uid {uid} (owner uid {st.st_uid}, mode "
+                f"{stat.filemode(st.st_mode)}); set JITATTN_CACHE_DIR to a writable directory"
+            )
+    if str(path) not in _fallback_warned:
+        _fallback_warned.add(str(path))
+        logging.getLogger("jitattn").warning(
+            "no usable home directory for the jitattn cache (HOME=%r); using %s. Set "
+            "JITATTN_CACHE_DIR to choose a persistent cache directory.", os.environ.get("HOME"), path)
+    return path
 
 
 def seed_dirs() -> list[Path]:

@@ -56,10 +56,12 @@ class DecodeSpec(KernelSpec):
     group_tile: int = 1  # query heads of one GQA group handled per CTA (1, 2, 4 or 8)
 
     @staticmethod
-    def group_tile_for(group_size: int) -> int:
+    def group_tile_for(group_size: int, dtype_kv: str = "float16") -> int:
         """Query heads per CTA for a GQA group: the group rounded up to a power of two, at most 8
-        (larger groups take several CTAs per KV head)."""
-        return min(8, 1 << (group_size - 1).bit_length())
+        (4 with fp8 KV, whose threads hold twice the elements); larger groups take several CTAs
+        per KV head."""
+        limit = 4 if dtype_kv.startswith("float8") else 8
+        return min(limit, 1 << (group_size - 1).bit_length())
 
     @property
     def name(self) -> str:
@@ -78,9 +80,9 @@ def spec_from_dict(data: dict) -> KernelSpec:
     data = dict(data)
     family = data.pop("family", None)
     if family == "decode":
-        if "group_size" in data:  # manifests may name the GQA group instead of the tile
-            data["group_tile"] = DecodeSpec.group_tile_for(int(data.pop("group_size")))
         data.setdefault("dtype_kv", data.get("dtype_q", "float16"))
+        if "group_size" in data:  # manifests may name the GQA group instead of the tile
+            data["group_tile"] = DecodeSpec.group_tile_for(int(data.pop("group_size")), data["dtype_kv"])
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; known: {sorted(FAMILIES)}")
     cls = FAMILIES[family]

@@ -1,13 +1,13 @@
 // Element types and 16-byte vector conversions shared by every kernel family.
-// One 16-byte vector holds 8 fp16/bf16 elements; kernels convert to fp32 right after loading.
+// One 16-byte vector holds 8 fp16/bf16 or 16 fp8 elements; kernels convert to fp32 right after
+// loading (fp8 through the hardware fp8x2 -> f16x2 conversion on sm_89+).
 #pragma once
-#include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cstdint>
 
 namespace jitattn {
-
-constexpr int kVecBytes = 16;
 
 template <typename T> struct ElemTraits;
 template <> struct ElemTraits<__half> {
@@ -18,6 +18,7 @@ template <> struct ElemTraits<__half> {
     __half2 h = __floats2half2_rn(a, b);
     return *reinterpret_cast<uint32_t*>(&h);
   }
+  __device__ __forceinline__ static __half from_float(float x) { return __float2half_rn(x); }
 };
 template <> struct ElemTraits<__nv_bfloat16> {
   __device__ __forceinline__ static float2 to_float2(uint32_t bits) {
@@ -27,33 +28,66 @@ template <> struct ElemTraits<__nv_bfloat16> {
     __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
     return *reinterpret_cast<uint32_t*>(&h);
   }
+  __device__ __forceinline__ static __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+};
+template <> struct ElemTraits<__nv_fp8_e4m3> {
+  static constexpr __nv_fp8_interpretation_t kKind = __NV_E4M3;
+};
+template <> struct ElemTraits<__nv_fp8_e5m2> {
+  static constexpr __nv_fp8_interpretation_t kKind = __NV_E5M2;
 };
 
-// 8 elements packed in a uint4 -> 8 floats.
+// Elements of T in one 16-byte vector.
+template <typename T> constexpr int kPerVec = 16 / sizeof(T);
+
+// One 16-byte vector of T -> kPerVec<T> floats.
 template <typename T>
-__device__ __forceinline__ void unpack8(const uint4& raw, float (&out)[8]) {
+__device__ __forceinline__ void unpack_vec(const uint4& raw, float* out) {
   const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    float2 f = ElemTraits<T>::to_float2(words[i]);
-    out[2 * i] = f.x;
-    out[2 * i + 1] = f.y;
+    if constexpr (sizeof(T) == 2) {
+      const float2 f = ElemTraits<T>::to_float2(words[i]);
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
+    } else {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+            static_cast<__nv_fp8x2_storage_t>(words[i] >> (16 * half)), ElemTraits<T>::kKind);
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+        out[4 * i + 2 * half] = f.x;
+        out[4 * i + 2 * half + 1] = f.y;
+      }
+    }
   }
 }
 
-// 8 floats -> 8 elements packed in a uint4 (round to nearest even).
+// N elements of T at a 16-byte aligned address (global or shared) -> N floats.
+template <typename T, int N>
+__device__ __forceinline__ void load_floats(const T* ptr, float (&out)[N]) {
+  static_assert(N % kPerVec<T> == 0, "whole 16-byte vectors only");
+#pragma unroll
+  for (int v = 0; v < N / kPerVec<T>; ++v)
+    unpack_vec<T>(reinterpret_cast<const uint4*>(ptr)[v], out + v * kPerVec<T>);
+}
+
+// N floats -> N elements of a 2-byte T at a 16-byte aligned address (round to nearest even).
+template <typename T, int N>
+__device__ __forceinline__ void store_floats(T* ptr, const float (&in)[N]) {
+  static_assert(sizeof(T) == 2 && N % 8 == 0, "16-bit outputs, whole vectors");
+#pragma unroll
+  for (int v = 0; v < N / 8; ++v) {
+    const float* x = in + 8 * v;
+    reinterpret_cast<uint4*>(ptr)[v] =
+        make_uint4(ElemTraits<T>::from_float2(x[0], x[1]), ElemTraits<T>::from_float2(x[2], x[3]),
+                   ElemTraits<T>::from_float2(x[4], x[5]), ElemTraits<T>::from_float2(x[6], x[7]));
+  }
+}
+
 template <typename T>
-__device__ __forceinline__ uint4 pack8(const float (&in)[8]) {
-  return make_uint4(ElemTraits<T>::from_float2(in[0], in[1]), ElemTraits<T>::from_float2(in[2], in[3]),
-                    ElemTraits<T>::from_float2(in[4], in[5]), ElemTraits<T>::from_float2(in[6], in[7]));
+__device__ __forceinline__ T from_float(float x) {
+  return ElemTraits<T>::from_float(x);
 }
 
-}  // namespace jitattn
-
-namespace jitattn {
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
 }  // namespace jitattn

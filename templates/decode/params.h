@@ -4,16 +4,18 @@ struct DecodeParams {
   const void* k;       // kv rows: element (token t, kv head h) at t * k_stride_token + h * k_stride_head
   const void* v;
   void* out;           // [num_qo_heads, HEAD_DIM] contiguous, dtype of q
-  float* lse;          // [num_qo_heads] or nullptr
+  float* lse;          // [num_qo_heads], base 2
   float* partial_o;    // [num_chunks, num_qo_heads, HEAD_DIM] when num_chunks > 1
   float* partial_lse;  // [num_chunks, num_qo_heads]
   int64_t q_stride_head;
   int64_t k_stride_token, k_stride_head;
   int64_t v_stride_token, v_stride_head;
-  int kv_begin, kv_end;  // rows taking part: the window [kv_begin, kv_end)
+  int kv_begin, kv_end;  // rows taking part: the window [kv_begin, kv_end); kv_end = kv_len
   int num_kv_heads, group_size, num_group_tiles;
   int chunk_len, num_chunks;
-  float q_scale;       // multiplies q: sm_scale*log2(e), or sm_scale/cap with a soft cap
+  float q_scale;       // multiplies q: sm_scale*q_scale*k_scale*log2(e), or .../cap with a soft cap
   float cap_log2e;     // cap*log2(e) (soft cap only)
+  float v_scale;       // multiplies the output
+  double rope_theta, rope_scale;
   int device;
 };
