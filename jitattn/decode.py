@@ -16,6 +16,7 @@ from jitattn.jit.spec import DecodeSpec
 LOG2E = 1.4426950408889634
 MAX_CHUNKS = 256  # keep in sync with templates/decode/kernels.cu.j2 (max_chunks)
 MIN_CHUNK_TILES = 2  # shortest split chunk, in pipeline tiles (see _split)
+TENSOR_CORE_TILE = 32  # rows per stage on the tensor-core path: 8 per warp (kernels.cu.j2 TILE)
 LAYOUTS = ("NHD", "HND")
 POS_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 
@@ -101,25 +102,27 @@ def single_decode_with_kv_cache(
         raise ValueError(f"kv_len must be >= 1, got an empty KV cache (k shape {tuple(kv_shape)})")
     if kv_len >= 2**31:
         raise ValueError(f"kv_len must be < 2**31, got {kv_len}")
-    if use_tensor_cores:
-        raise NotImplementedError("use_tensor_cores=True is not implemented yet")
     device = q.device
     if device.type != "cuda" or k.device != device or v.device != device:  # last: the rest is testable on CPU
         check.cuda_device({"q": q, "k": k, "v": v})
 
     group_size = num_qo_heads // num_kv_heads
     kv_name = check.DTYPE_NAMES[kv_dtype]
-    spec_fields = (head_dim, check.DTYPE_NAMES[dtype], kv_name, pos_encoding_mode, cap > 0,
-                   DecodeSpec.group_tile_for(group_size, kv_name))
+    # Tensor cores take 16-bit K/V and head_dim a multiple of 32; otherwise (fp8 K/V, odd
+    # head_dim) use_tensor_cores=True runs the CUDA-core kernel, which gives the same results.
+    tensor_cores = use_tensor_cores and not fp8 and head_dim % 32 == 0
+    group_tile = (DecodeSpec.tensor_core_group_tile(group_size) if tensor_cores
+                  else DecodeSpec.group_tile_for(group_size, kv_name))
+    spec_fields = (head_dim, check.DTYPE_NAMES[dtype], kv_name, pos_encoding_mode, cap > 0, group_tile, tensor_cores)
     kernel = _kernels.get(spec_fields)
     if kernel is None:
         kernel = _kernels[spec_fields] = _Kernel(get_module(DecodeSpec(*spec_fields)))
 
     q, k, v = check.vector_ready(q), check.vector_ready(k), check.vector_ready(v)
     kv_begin = kv_len - 1 - window_left if 0 <= window_left < kv_len - 1 else 0
-    group_tiles = -(-group_size // spec_fields[-1])
-    chunk_len, num_chunks = _split(kv_len - kv_begin, num_kv_heads * group_tiles, rows_per_tile(head_dim, k.element_size()),
-                                   kernel.capacity(device) // 2)
+    group_tiles = -(-group_size // group_tile)
+    tile = TENSOR_CORE_TILE if tensor_cores else rows_per_tile(head_dim, k.element_size())
+    chunk_len, num_chunks = _split(kv_len - kv_begin, num_kv_heads * group_tiles, tile, kernel.capacity(device) // 2)
 
     q_factor = scale / cap if cap > 0 else scale * LOG2E
     out, lse = kernel.run(q, k, v, hnd, kv_begin, kv_len, group_size, chunk_len, num_chunks, q_factor, cap * LOG2E,

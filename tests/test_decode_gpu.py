@@ -139,8 +139,10 @@ POS_GRID = list(itertools.product(["ROPE_LLAMA", "ALIBI"], [64, 128, 256], [torc
 
 def check_modes(q, k, v, what, layout="NHD", **kwargs):
     want_lse = kwargs.pop("return_lse", True)
+    tensor_cores = kwargs.pop("use_tensor_cores", False)
     poison_allocator(q.numel() * q.element_size())
-    out, lse = jitattn.single_decode_with_kv_cache(q, k, v, kv_layout=layout, return_lse=True, **kwargs)
+    out, lse = jitattn.single_decode_with_kv_cache(q, k, v, kv_layout=layout, return_lse=True,
+                                                   use_tensor_cores=tensor_cores, **kwargs)
     ref_out, ref_lse = single_decode_reference(q, k, v, kv_layout=layout, **kwargs)
     rel, abs_ = TOL[q.dtype]
     assert_close(out, ref_out, rel, abs_, what)
@@ -192,3 +194,38 @@ def test_decode_v_scale_scales_the_output_only():
     scaled, scaled_lse = jitattn.single_decode_with_kv_cache(q, k, v, v_scale=0.5, return_lse=True)
     assert torch.equal(base_lse, scaled_lse)
     assert_close(scaled, base.double() * 0.5, 2e-3, 1e-2, "v_scale")
+
+
+# ---------------------------------------------------------------- tensor-core path
+TC_HEADS = [(8, 8), (16, 4), (32, 4), (32, 2), (64, 2), (12, 4)]  # groups 1, 4, 8, 16, 32 (two tiles), 3
+TC_GRID = list(itertools.product([torch.float16, torch.bfloat16], ["NONE", "ROPE_LLAMA", "ALIBI"], ["NHD", "HND"],
+                                 TC_HEADS, [1, 255, 4096, 32768]))
+
+
+@pytest.mark.parametrize("case", range(len(TC_GRID)))
+def test_decode_tensor_cores_match_reference(case):
+    dtype, mode, layout, (num_qo, num_kv), kv_len = TC_GRID[case]
+    q, k, v = make_inputs(num_qo, num_kv, kv_len, 128, dtype, layout, seed=3000 + case)
+    window = [-1, kv_len // 3][case % 2]
+    check_modes(q, k, v, f"tc {dtype} {mode} {layout} {num_qo}/{num_kv} L={kv_len} win={window}",
+                layout=layout, pos_encoding_mode=mode, use_tensor_cores=True, window_left=window)
+
+
+@pytest.mark.parametrize("head_dim,dtype,heads", list(itertools.product([64, 256], [torch.float16, torch.bfloat16],
+                                                                        [(16, 4), (32, 2)])))
+def test_decode_tensor_cores_other_head_dims(head_dim, dtype, heads):
+    q, k, v = make_inputs(*heads, 4096, head_dim, dtype, "NHD", seed=head_dim + heads[0])
+    check_modes(q, k, v, f"tc d{head_dim}", use_tensor_cores=True)
+
+
+def test_decode_tensor_cores_with_soft_cap_and_scales():
+    q, k, v = make_inputs(32, 4, 3000, 128, torch.bfloat16, "NHD", seed=99)
+    check_modes(q, k, v, "tc cap", use_tensor_cores=True, logits_soft_cap=30.0, sm_scale=0.07, v_scale=0.5)
+
+
+def test_decode_tensor_cores_request_with_fp8_runs_the_cuda_core_kernel():
+    q, k, v = make_inputs(16, 4, 2000, 128, torch.bfloat16, "NHD", seed=98)
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    tc = jitattn.single_decode_with_kv_cache(q, k8, v8, use_tensor_cores=True)
+    cuda_cores = jitattn.single_decode_with_kv_cache(q, k8, v8)
+    assert torch.equal(tc, cuda_cores)

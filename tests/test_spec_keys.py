@@ -1,6 +1,8 @@
 """CPU tests: spec naming, content keys, template rendering and the toolchain probes (no compiles)."""
 from __future__ import annotations
 
+import re
+
 import dataclasses
 import os
 import shutil
@@ -21,6 +23,9 @@ DECODE_ENTRY_POINTS = tuple(sorted(DecodeSpec.sources.values()))
 
 
 # ----------------------------------------------------------------------------- spec naming
+
+
+JINJA_LEFTOVER = re.compile(r"\{\{\s*\w|\{%-?\s*[a-z]|\{#")
 
 
 def test_decode_name_is_a_readable_slug_of_every_field():
@@ -248,6 +253,13 @@ DTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 
 @pytest.mark.parametrize("head_dim", range(32, 257, 16))
 def test_every_decode_variant_renders_completely(head_dim):
+    for mode in ("ROPE_LLAMA", "ALIBI"):  # positional encodings, fp8 and the tensor-core path too
+        for extra in ({}, {"dtype_kv": "float8_e4m3fn"} if head_dim % 32 == 0 else None,
+                      {"tensor_cores": True, "group_tile": 16} if head_dim % 32 == 0 else None):
+            if extra is not None:
+                text = render.render(DecodeSpec(head_dim=head_dim, pos_encoding=mode, **extra), "ns")["kernels.cu"]
+                assert not JINJA_LEFTOVER.search(text)
+                assert f"constexpr bool {'ROPE' if mode == 'ROPE_LLAMA' else 'ALIBI'} = true;" in text
     for dtype, ctype in DTYPES.items():
         for soft_cap in (False, True):
             for group_tile in (1, 2, 4, 8):
@@ -257,7 +269,8 @@ def test_every_decode_variant_renders_completely(head_dim):
                 out = render.render(spec, ns)
                 assert set(out) == {"binding.cpp", "kernels.cu"}
                 for name, text in out.items():
-                    assert "{{" not in text and "{%" not in text and "{#" not in text, (spec.name, name)
+                    # Jinja leftovers; asm operand lists such as "{%0, %1}" are C, not Jinja.
+                    assert not JINJA_LEFTOVER.search(text), (spec.name, name, JINJA_LEFTOVER.search(text))
                     assert spec.name in text  # the header comment names the specialization
                 kernels, binding = out["kernels.cu"], out["binding.cpp"]
                 assert f"constexpr int HEAD_DIM = {head_dim};" in kernels

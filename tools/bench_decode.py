@@ -1,6 +1,6 @@
 """Decode benchmark: jitattn vs torch SDPA on the same shapes in the same run.
 
-Rows: variant (fp16 NHD, fp16 HND, fp8 e4m3 KV, RoPE, ALiBi) x heads (32/32, 32/8, 32/4) x
+Rows: variant (fp16 NHD, fp16 with use_tensor_cores, fp16 HND, fp8 e4m3 KV, RoPE, ALiBi) x heads (32/32, 32/8, 32/4) x
 kv_len, head_dim 128, q fp16. SDPA runs the fp16 NHD shape in its natural (B, H, L, D) layout
 (enable_gqa for GQA): the peer for what a user would otherwise call. CUDA-event timing, warm-up,
 cold L2 (inputs rotated over >= 256 MB), host time hidden, median. TB/s counts K and V bytes
@@ -22,6 +22,7 @@ from bench_util import host_us_per_call, sets_needed, time_us  # noqa: E402
 
 VARIANTS = {
     "fp16": dict(layout="NHD", kv_dtype=torch.float16, mode="NONE"),
+    "fp16-tc": dict(layout="NHD", kv_dtype=torch.float16, mode="NONE", tensor_cores=True),
     "fp16-hnd": dict(layout="HND", kv_dtype=torch.float16, mode="NONE"),
     "fp8-e4m3": dict(layout="NHD", kv_dtype=torch.float8_e4m3fn, mode="NONE"),
     "rope": dict(layout="NHD", kv_dtype=torch.float16, mode="ROPE_LLAMA"),
@@ -42,7 +43,8 @@ def bench_row(variant, num_qo, num_kv, kv_len, head_dim=128):
         k = torch.randn(shape, device="cuda", dtype=torch.float16).to(cfg["kv_dtype"])
         v = torch.randn(shape, device="cuda", dtype=torch.float16).to(cfg["kv_dtype"])
         ours.append(lambda q=q, k=k, v=v: jitattn.single_decode_with_kv_cache(
-            q, k, v, kv_layout=cfg["layout"], pos_encoding_mode=cfg["mode"]))
+            q, k, v, kv_layout=cfg["layout"], pos_encoding_mode=cfg["mode"],
+            use_tensor_cores=cfg.get("tensor_cores", False)))
         if variant == "fp16":
             qs = q.view(1, num_qo, 1, head_dim)
             ks = k.permute(1, 0, 2).contiguous().unsqueeze(0)

@@ -237,8 +237,10 @@ def _ensure_writable(root: Path) -> None:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
+        # A root that exists as a file made this say "(File exists)": name the real problem.
+        why = "it is not a directory" if root.exists() and not root.is_dir() else exc.strerror
         raise CacheNotWritable(
-            f"a kernel must be compiled but the cache root {root} is not writable ({exc.strerror}); "
+            f"a kernel must be compiled but the cache root {root} is not writable ({why}); "
             "set JITATTN_CACHE_DIR to a writable directory, or prewarm the cache"
         ) from None
 

@@ -53,7 +53,8 @@ class DecodeSpec(KernelSpec):
     dtype_kv: str = "float16"
     pos_encoding: str = "NONE"  # NONE | ROPE_LLAMA | ALIBI
     soft_cap: bool = False
-    group_tile: int = 1  # query heads of one GQA group handled per CTA (1, 2, 4 or 8)
+    group_tile: int = 1  # query heads of one GQA group handled per CTA (1..8; up to 16 with tensor cores)
+    tensor_cores: bool = False  # mma.sync path: the group's query heads are the MMA's rows
 
     @staticmethod
     def group_tile_for(group_size: int, dtype_kv: str = "float16") -> int:
@@ -63,12 +64,17 @@ class DecodeSpec(KernelSpec):
         limit = 4 if dtype_kv.startswith("float8") else 8
         return min(limit, 1 << (group_size - 1).bit_length())
 
+    @staticmethod
+    def tensor_core_group_tile(group_size: int) -> int:
+        """Query heads per CTA on the tensor-core path: up to the MMA's 16 rows."""
+        return min(16, 1 << (group_size - 1).bit_length())
+
     @property
     def name(self) -> str:
         return (
             f"decode_{DTYPE_TAGS[self.dtype_q]}_kv{DTYPE_TAGS[self.dtype_kv]}_d{self.head_dim}"
             f"_pos{self.pos_encoding.lower().replace('_', '')}_cap{int(self.soft_cap)}"
-            f"_g{self.group_tile}"
+            f"_g{self.group_tile}{'_tc' if self.tensor_cores else ''}"
         )
 
 
@@ -82,7 +88,9 @@ def spec_from_dict(data: dict) -> KernelSpec:
     if family == "decode":
         data.setdefault("dtype_kv", data.get("dtype_q", "float16"))
         if "group_size" in data:  # manifests may name the GQA group instead of the tile
-            data["group_tile"] = DecodeSpec.group_tile_for(int(data.pop("group_size")), data["dtype_kv"])
+            size = int(data.pop("group_size"))
+            data["group_tile"] = (DecodeSpec.tensor_core_group_tile(size) if data.get("tensor_cores")
+                                  else DecodeSpec.group_tile_for(size, data["dtype_kv"]))
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; known: {sorted(FAMILIES)}")
     cls = FAMILIES[family]

@@ -19,6 +19,7 @@ template <> struct ElemTraits<__half> {
     return *reinterpret_cast<uint32_t*>(&h);
   }
   __device__ __forceinline__ static __half from_float(float x) { return __float2half_rn(x); }
+  __device__ __forceinline__ static float to_float(__half x) { return __half2float(x); }
 };
 template <> struct ElemTraits<__nv_bfloat16> {
   __device__ __forceinline__ static float2 to_float2(uint32_t bits) {
@@ -29,6 +30,7 @@ template <> struct ElemTraits<__nv_bfloat16> {
     return *reinterpret_cast<uint32_t*>(&h);
   }
   __device__ __forceinline__ static __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+  __device__ __forceinline__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 };
 template <> struct ElemTraits<__nv_fp8_e4m3> {
   static constexpr __nv_fp8_interpretation_t kKind = __NV_E4M3;
@@ -88,6 +90,11 @@ __device__ __forceinline__ void store_floats(T* ptr, const float (&in)[N]) {
 template <typename T>
 __device__ __forceinline__ T from_float(float x) {
   return ElemTraits<T>::from_float(x);
+}
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x) {
+  return ElemTraits<T>::to_float(x);
 }
 
 }  // namespace jitattn

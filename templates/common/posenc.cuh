@@ -1,27 +1,42 @@
 // Positional encodings applied inside attention kernels: rotate-half RoPE (Llama) and ALiBi.
 #pragma once
 #include <cuda_runtime.h>
+#include <cstdint>
 
 namespace jitattn {
 
-// RoPE frequency of dimension d, in revolutions per position: theta^(-2i/D) / scale / (2 pi),
-// i = d mod D/2. Kept in double: positions reach 1e5+ and the angle must stay exact mod 2 pi.
-__device__ __forceinline__ double rope_revolutions(int d, int head_dim, double theta, double scale) {
+// RoPE frequency of dimension d as a 64-bit fixed-point fraction of a turn per position:
+// theta^(-2i/D) / scale / (2 pi) * 2^64, i = d mod D/2, split into (high, low) 32-bit words.
+// Integer products wrap modulo one turn, so the angle at position p is exact for any p with
+// two integer multiplies: no double arithmetic and no argument reduction in the inner loop.
+struct RopeFreq {
+  uint32_t hi, lo;
+};
+
+__device__ __forceinline__ RopeFreq rope_freq(int d, int head_dim, double theta, double scale) {
   const int i = d % (head_dim / 2);
-  return pow(theta, -2.0 * i / head_dim) / scale / 6.283185307179586;
+  const double turns = pow(theta, -2.0 * i / head_dim) / scale / 6.283185307179586;  // < 1
+  const double scaled = (turns - floor(turns)) * 4294967296.0;  // 2^32 * fractional turns
+  const double hi = floor(scaled);
+  return {static_cast<uint32_t>(hi), static_cast<uint32_t>(floor((scaled - hi) * 4294967296.0))};
+}
+
+// Angle in radians, in [-pi, pi), of position `pos` at frequency `f`.
+__device__ __forceinline__ float rope_angle(uint32_t pos, RopeFreq f) {
+  // Bits [32, 64) of pos * (hi * 2^32 + lo), modulo 2^64: the top 32 bits of the turn fraction.
+  const uint32_t frac = pos * f.hi + __umulhi(pos, f.lo);
+  return static_cast<float>(static_cast<int32_t>(frac)) * (6.283185307179586f / 4294967296.0f);
 }
 
 // x <- x rotated at position `pos`; `partner` holds the elements D/2 away (the rotate-half
 // pair), `first_half` says whether x sits in dims [0, D/2).
 template <int N>
-__device__ __forceinline__ void rope_rotate(float (&x)[N], const float (&partner)[N], const double (&rev)[N],
+__device__ __forceinline__ void rope_rotate(float (&x)[N], const float (&partner)[N], const RopeFreq (&freq)[N],
                                             int pos, bool first_half) {
 #pragma unroll
   for (int e = 0; e < N; ++e) {
-    const double turns = pos * rev[e];
-    const float angle = static_cast<float>((turns - rint(turns)) * 6.283185307179586);  // in [-pi, pi]
     float s, c;
-    __sincosf(angle, &s, &c);
+    __sincosf(rope_angle(static_cast<uint32_t>(pos), freq[e]), &s, &c);
     x[e] = first_half ? x[e] * c - partner[e] * s : x[e] * c + partner[e] * s;
   }
 }
