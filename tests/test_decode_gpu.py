@@ -147,8 +147,12 @@ def check_modes(q, k, v, what, layout="NHD", **kwargs):
     rel, abs_ = TOL[q.dtype]
     assert_close(out, ref_out, rel, abs_, what)
     if want_lse:
-        # ALiBi biases reach slope * kv_len: compare the LSE relative to its size.
-        assert_close(lse, ref_lse, 1e-4, 2e-3 * max(1.0, ref_lse.abs().max().item() / 100), what + " lse")
+        # ALiBi biases reach slope * kv_len: compare the LSE relative to its size. The tensor-core
+        # path feeds RoPE-rotated q and k to the MMA re-rounded to q's dtype, which costs bf16
+        # about 2^-9 of each logit: its LSE gets a bf16-sized tolerance (the output does not).
+        rounded = tensor_cores and kwargs.get("pos_encoding_mode") == "ROPE_LLAMA" and q.dtype == torch.bfloat16
+        rel, abs_ = (5e-4, 1e-2) if rounded else (1e-4, 2e-3)
+        assert_close(lse, ref_lse, rel, abs_ * max(1.0, ref_lse.abs().max().item() / 100), what + " lse")
 
 
 @pytest.mark.parametrize("case", range(len(POS_GRID)))
