@@ -79,7 +79,6 @@ INVALID = [
     ("pos-unknown", {"pos_encoding_mode": "ROPE"}, ValueError, ["pos_encoding_mode", "ROPE"]),
     ("pos-not-str", {"pos_encoding_mode": None}, TypeError, ["pos_encoding_mode"]),
     # -- booleans
-    ("tensor-cores-not-implemented", {"use_tensor_cores": True}, NotImplementedError, ["use_tensor_cores"]),
     ("tensor-cores-int", {"use_tensor_cores": 1}, TypeError, ["use_tensor_cores", "bool"]),
     ("return-lse-str", {"return_lse": "yes"}, TypeError, ["return_lse", "bool"]),
     ("return-lse-none", {"return_lse": None}, TypeError, ["return_lse", "bool"]),
@@ -195,6 +194,7 @@ VALID = [
     ("int-scales", {"sm_scale": 1, "q_scale": 2, "k_scale": 3, "v_scale": 1}),
     ("rope-args-accepted", {"rope_scale": 2.0, "rope_theta": 5e5}),
     ("return-lse", {"return_lse": True}),
+    ("tensor-cores", {"use_tensor_cores": True}),
     ("rope-llama", {"pos_encoding_mode": "ROPE_LLAMA"}),
     ("alibi", {"pos_encoding_mode": "ALIBI"}),
     ("v-scale", {"v_scale": 0.5}),
