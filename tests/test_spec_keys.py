@@ -148,7 +148,7 @@ def test_changing_any_spec_field_changes_the_key(field, value):
 ])
 def test_changing_the_build_target_changes_the_key(change):
     spec = DecodeSpec(head_dim=128)
-    other = dataclasses.replace(TARGET, **change)
+    other = TARGET._replace(**change)
     ours, theirs = keys.components(spec, TARGET), keys.components(spec, other)
     assert keys.key_of(ours) != keys.key_of(theirs)
     assert keys.differing(ours, theirs)  # and `explain` can say which component
@@ -158,9 +158,9 @@ def test_differing_names_exactly_the_changed_components():
     spec = DecodeSpec(head_dim=128)
     ours = keys.components(spec, TARGET)
     assert keys.differing(ours, dict(ours)) == []
-    theirs = keys.components(spec, dataclasses.replace(TARGET, nvcc="12.8.93"))
+    theirs = keys.components(spec, TARGET._replace(nvcc="12.8.93"))
     assert keys.differing(ours, theirs) == ["nvcc"]
-    theirs = keys.components(dataclasses.replace(spec, head_dim=64), dataclasses.replace(TARGET, archs=("8.0",)))
+    theirs = keys.components(dataclasses.replace(spec, head_dim=64), TARGET._replace(archs=("8.0",)))
     assert keys.differing(ours, theirs) == ["archs", "cuda_flags", "spec"]
 
 

@@ -12,9 +12,7 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import time
-import uuid
 from pathlib import Path
 
 MANIFEST = "manifest.json"
@@ -128,6 +126,8 @@ def siblings(root: Path, schema: str, arch_tag: str, name: str) -> list[Path]:
 
 def new_staging_dir(root: Path) -> Path:
     """A private directory to build in: <root>/staging/<host>-<pid>-<random>."""
+    import socket, uuid  # cold path only: keep them off the warm import
+
     staging = root / STAGING / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging.mkdir(parents=True)
     return staging
@@ -155,6 +155,8 @@ def publish(staging: Path, final: Path, replace: bool = False) -> Path:
             return final
         # A corrupt, partial or replaced entry: move it out of the way, then delete it. Processes
         # that already loaded its .so keep their mapping; new readers see the new entry.
+        import uuid
+
         aside = final.parent.parent.parent / STAGING / f"replaced-{uuid.uuid4().hex[:8]}"
         os.rename(final, aside)
         shutil.rmtree(aside, ignore_errors=True)

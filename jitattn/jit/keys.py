@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from jitattn.jit.render import spec_template_digest
 from jitattn.jit.spec import KernelSpec
@@ -30,15 +30,24 @@ CUDA_FLAGS = ("-O3", "-std=c++17", "--expt-relaxed-constexpr", TORCH_TARGET_VERS
 TOOLCHAIN_COMPONENTS = ("nvcc", "host_cxx")
 
 
-@dataclass(frozen=True)
-class BuildTarget:
-    archs: tuple[str, ...]  # normalized to sorted and unique, so the order given never matters
+class _BuildTargetFields(NamedTuple):
+    archs: tuple[str, ...]
     nvcc: str  # release, e.g. "13.0.88"
     host_cxx: str  # e.g. "gcc 12.2.0"
 
-    def __post_init__(self):
-        ordered = tuple(sorted(set(self.archs), key=lambda a: (float(a.rstrip("a")), a)))
-        object.__setattr__(self, "archs", ordered)
+
+class BuildTarget(_BuildTargetFields):
+    """What a build targets besides the spec. Archs are sorted and unique, so the order given
+    never matters. (A NamedTuple, not a dataclass: this module is on the warm import path.)"""
+
+    __slots__ = ()
+
+    def __new__(cls, archs, nvcc, host_cxx):
+        ordered = tuple(sorted(set(archs), key=lambda a: (float(a.rstrip("a")), a)))
+        return super().__new__(cls, ordered, nvcc, host_cxx)
+
+    def _replace(self, **changes):
+        return BuildTarget(**{**self._asdict(), **changes})
 
 
 def cuda_flags(archs: tuple[str, ...]) -> list[str]:

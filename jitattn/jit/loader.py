@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import threading
 import time
 from pathlib import Path
@@ -174,6 +173,8 @@ def _missing_message(spec, archs, arch_tag, nearest) -> str:
 
 
 def _build(spec, target, parts, key, root, arch_tag, reason) -> LoadedModule:
+    import socket
+
     from jitattn.jit.build import compile_library
     from jitattn.jit.lock import key_lock
     from jitattn.jit.render import render
