@@ -1,0 +1,251 @@
+"""Validation of varlen_attn / varlen_attn_out arguments (see shared/spec/varlen.md).
+
+check_varlen_args checks types, ranks, dtypes, shapes and scalar arguments, each error naming the
+argument; the CUDA-device check comes last, so everything else is testable with CPU tensors. It
+reads no tensor values (that would sync with the GPU). check_varlen_values checks the values
+(monotonic cu_seq, seqused_k within its slot, page ids in range) for use under JITATTN_DEBUG=1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from jitattn import _checks as check
+
+_Q_DOC = "(T_q, H_q, D)"
+_KV_DOC = "(T_k, H_kv, D)"
+_POOL_DOC = "(total_pages, page_size, H_kv, D) (a page pool, as block_table is given)"
+
+
+class AuxRequest(NamedTuple):
+    """Which auxiliary outputs varlen_attn returns: AuxRequest(lse=True) adds the logsumexp.
+
+    An immutable NamedTuple, like torch.nn.attention.varlen.AuxRequest."""
+
+    lse: bool = False
+
+
+@dataclass(frozen=True)
+class VarlenArgs:
+    """What check_varlen_args derived from a valid call."""
+
+    num_seqs: int
+    total_q: int
+    num_heads_q: int
+    num_heads_kv: int
+    head_dim: int
+    scale: float
+    window_left: int
+    window_right: int
+    paged: bool
+    page_size: int  # 0 when not paged
+    num_splits: int | None
+    return_lse: bool
+    device: torch.device
+
+
+def _int_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be an int32 tensor, got {t.dtype}")
+
+
+def _optional_tensor(name: str, value, ndim: int, shape_doc: str) -> torch.Tensor | None:
+    return None if value is None else check.tensor(name, value, ndim, shape_doc)
+
+
+def _window(value) -> tuple[int, int]:
+    if not isinstance(value, (tuple, list)):
+        raise TypeError(f"window_size must be a tuple of two ints (left, right), got {type(value).__name__} {value!r}")
+    if len(value) != 2:
+        raise ValueError(f"window_size must have two entries (left, right), got {len(value)}: {value!r}")
+    return (check.integer("window_size[0] (left)", value[0], -1),
+            check.integer("window_size[1] (right)", value[1], -1))
+
+
+def check_varlen_args(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    scale,
+    window_size,
+    enable_gqa,
+    seqused_k,
+    block_table,
+    num_splits,
+    out=None,
+    return_aux=None,
+) -> VarlenArgs:
+    """Raise TypeError/ValueError naming the first bad argument; return the derived VarlenArgs.
+
+    cu_seq_k may be None only with block_table (keys then come from the page pool and their
+    counts from seqused_k), as torch's signature allows."""
+    # -- tensors and ranks
+    query = check.tensor("query", query, 3, _Q_DOC)
+    block_table = _optional_tensor("block_table", block_table, 2, "(N, max_pages_per_seq)")
+    paged = block_table is not None
+    kv_ndim, kv_doc = (4, _POOL_DOC) if paged else (3, _KV_DOC + " (a 4-D page pool needs block_table)")
+    key = check.tensor("key", key, kv_ndim, kv_doc)
+    value = check.tensor("value", value, kv_ndim, kv_doc)
+    cu_seq_q = check.tensor("cu_seq_q", cu_seq_q, 1, "(N+1,)")
+    if cu_seq_k is None and not paged:
+        raise TypeError("cu_seq_k must be a torch.Tensor of shape (N+1,) (it may be None only with block_table)")
+    cu_seq_k = _optional_tensor("cu_seq_k", cu_seq_k, 1, "(N+1,)")
+    seqused_k = _optional_tensor("seqused_k", seqused_k, 1, "(N,)")
+
+    # -- dtypes
+    if query.dtype not in check.Q_DTYPES:
+        raise TypeError(f"query must be float16 or bfloat16, got {query.dtype}")
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise TypeError(f"{name} must have query's dtype ({query.dtype}), got {t.dtype}")
+    for name, t in (("cu_seq_q", cu_seq_q), ("cu_seq_k", cu_seq_k), ("seqused_k", seqused_k),
+                    ("block_table", block_table)):
+        if t is not None:
+            _int_dtype(name, t)
+
+    # -- shapes: heads and head_dim
+    if key.shape != value.shape:
+        raise ValueError(f"key and value must have the same shape, got key {tuple(key.shape)} "
+                         f"and value {tuple(value.shape)}")
+    total_q, num_heads_q, head_dim = query.shape
+    num_heads_kv = key.shape[-2]
+    for name, t in (("key", key), ("value", value)):
+        if t.shape[-1] != head_dim:
+            raise ValueError(f"head_dim of {name} ({t.shape[-1]}) must equal head_dim of query ({head_dim})")
+    check.head_dim("query.shape[2]", head_dim)
+    if num_heads_q < 1:
+        raise ValueError(f"query must have at least one head (H_q), got shape {tuple(query.shape)}")
+    if num_heads_kv < 1:
+        raise ValueError(f"key/value must have at least one head (H_kv), got shape {tuple(key.shape)}")
+    if enable_gqa is not False:
+        check.boolean("enable_gqa", enable_gqa)
+    if not enable_gqa and num_heads_q != num_heads_kv:
+        raise ValueError(f"query has H_q={num_heads_q} heads but key/value have H_kv={num_heads_kv}: "
+                         "they must be equal unless enable_gqa=True")
+    if num_heads_q % num_heads_kv:
+        raise ValueError(f"with enable_gqa, the query heads (H_q={num_heads_q}) must be a multiple of "
+                         f"the key/value heads (H_kv={num_heads_kv})")
+    page_size = 0
+    if paged:
+        page_size = key.shape[1]
+        if page_size < 1:
+            raise ValueError(f"key/value page pool must have page_size >= 1 (dim 1), got shape {tuple(key.shape)}")
+
+    # -- batch metadata
+    if cu_seq_q.shape[0] < 2:
+        raise ValueError(f"cu_seq_q must have N+1 >= 2 entries, got shape {tuple(cu_seq_q.shape)}")
+    num_seqs = cu_seq_q.shape[0] - 1
+    if cu_seq_k is not None and cu_seq_k.shape != cu_seq_q.shape:
+        raise ValueError(f"cu_seq_k must have the shape of cu_seq_q ({num_seqs + 1},), got {tuple(cu_seq_k.shape)}")
+    if paged and seqused_k is None:
+        raise ValueError("block_table requires seqused_k (the number of valid keys per sequence)")
+    if seqused_k is not None and seqused_k.shape[0] != num_seqs:
+        raise ValueError(f"seqused_k must have shape (N,) = ({num_seqs},), got {tuple(seqused_k.shape)}")
+    if paged and block_table.shape[0] != num_seqs:
+        raise ValueError(f"block_table must have shape (N, max_pages_per_seq) with N = {num_seqs}, "
+                         f"got {tuple(block_table.shape)}")
+
+    # -- scalars
+    check.integer("max_q", max_q, 0)
+    check.integer("max_k", max_k, 0)
+    scale = check.positive_float("scale", scale, 1.0 / head_dim**0.5)
+    left, right = _window(window_size)
+    if num_splits is not None:
+        num_splits = check.integer("num_splits", num_splits, 1)
+
+    # -- out and return_aux
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor of query's shape {tuple(query.shape)}, got {type(out).__name__}")
+        if out.shape != query.shape:
+            raise ValueError(f"out must have query's shape {tuple(query.shape)}, got {tuple(out.shape)}")
+        if out.dtype != query.dtype:
+            raise TypeError(f"out must have query's dtype ({query.dtype}), got {out.dtype}")
+        if out.device != query.device:
+            raise ValueError(f"out is on {out.device} but query is on {query.device}: out must be on query's device")
+    return_lse = False
+    if return_aux is not None:
+        if not hasattr(return_aux, "lse"):
+            raise TypeError(f"return_aux must be None or an AuxRequest, got {type(return_aux).__name__} {return_aux!r}")
+        if not isinstance(return_aux.lse, bool):
+            raise TypeError(f"return_aux.lse must be a bool, got {type(return_aux.lse).__name__} {return_aux.lse!r}")
+        return_lse = return_aux.lse
+
+    # -- last: one CUDA device for every tensor (all of the above runs on CPU tensors)
+    named = {"query": query, "key": key, "value": value, "cu_seq_q": cu_seq_q, "cu_seq_k": cu_seq_k,
+             "seqused_k": seqused_k, "block_table": block_table, "out": out}
+    device = check.cuda_device({name: t for name, t in named.items() if t is not None})
+    return VarlenArgs(num_seqs, total_q, num_heads_q, num_heads_kv, head_dim, scale, left, right, paged,
+                      page_size, num_splits, return_lse, device)
+
+
+def check_varlen_values(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor | None,
+    max_q: int,
+    max_k: int,
+    *,
+    seqused_k: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+) -> None:
+    """Check the values of arguments that passed check_varlen_args (for JITATTN_DEBUG=1).
+
+    Copies the metadata to the CPU (a sync when it lives on the GPU). Raises ValueError naming the
+    argument for: cu_seq_q / cu_seq_k not starting at 0 or decreasing; cu_seq_q[-1] > T_q;
+    cu_seq_k[-1] > T_k (unpaged); seqused_k[i] < 0 or above its slot (cu_seq_k[i+1] - cu_seq_k[i]
+    unpaged, max_pages_per_seq * page_size paged); a page id of a page holding one of the first
+    seqused_k[i] keys outside [0, total_pages) (entries past them are never read, so they may be
+    padding such as -1); max_q / max_k below the longest query / key sequence."""
+    paged = block_table is not None
+    cq = [int(x) for x in cu_seq_q.detach().cpu().tolist()]
+    ck = None if cu_seq_k is None else [int(x) for x in cu_seq_k.detach().cpu().tolist()]
+    for name, cu, total in (("cu_seq_q", cq, query.shape[0]), ("cu_seq_k", ck, None if paged else key.shape[0])):
+        if cu is None:
+            continue
+        if cu[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {name}[0] = {cu[0]}")
+        for i in range(len(cu) - 1):
+            if cu[i + 1] < cu[i]:
+                raise ValueError(f"{name} must be non-decreasing, got {name}[{i}] = {cu[i]} > "
+                                 f"{name}[{i + 1}] = {cu[i + 1]}")
+        if total is not None and cu[-1] > total:
+            what = "T_q (query.shape[0])" if name == "cu_seq_q" else "T_k (key.shape[0])"
+            raise ValueError(f"{name}[-1] = {cu[-1]} exceeds {what} = {total}")
+    len_q = [cq[i + 1] - cq[i] for i in range(len(cq) - 1)]
+    if seqused_k is not None:
+        used = [int(x) for x in seqused_k.detach().cpu().tolist()]
+        if paged:
+            page_size = key.shape[1]
+            slots = [block_table.shape[1] * page_size] * len(used)
+        else:
+            slots = [ck[i + 1] - ck[i] for i in range(len(used))]
+        for i, (n, slot) in enumerate(zip(used, slots)):
+            if n < 0 or n > slot:
+                raise ValueError(f"seqused_k[{i}] = {n} must be in [0, {slot}] (the keys sequence {i} has room for)")
+        len_k = used
+    else:
+        len_k = [ck[i + 1] - ck[i] for i in range(len(ck) - 1)]
+    if paged:
+        total_pages = key.shape[0]
+        table = block_table.detach().cpu()
+        for i, n in enumerate(len_k):
+            pages_used = -(-n // page_size)
+            row = table[i, :pages_used]
+            bad = ((row < 0) | (row >= total_pages)).nonzero()
+            if bad.numel():
+                p = int(bad[0, 0])
+                raise ValueError(f"block_table[{i}, {p}] = {int(row[p])} is not a page of the pool: "
+                                 f"page ids must be in [0, {total_pages})")
+    if len_q and max(len_q) > max_q:
+        raise ValueError(f"max_q = {max_q} is below the longest query sequence ({max(len_q)})")
+    if len_k and max(len_k) > max_k:
+        raise ValueError(f"max_k = {max_k} is below the longest key sequence ({max(len_k)})")
