@@ -103,7 +103,8 @@ def single_decode_with_kv_cache(
     if kv_len >= 2**31:
         raise ValueError(f"kv_len must be < 2**31, got {kv_len}")
     device = q.device
-    if device.type != "cuda" or k.device != device or v.device != device:  # last: the rest is testable on CPU
+    # The device check comes last, so every other error is testable with CPU tensors.
+    if device.type != "cuda" or k.device != device or v.device != device:
         check.cuda_device({"q": q, "k": k, "v": v})
 
     group_size = num_qo_heads // num_kv_heads
@@ -151,8 +152,8 @@ class _Kernel:
 
 
 def _soft_cap(value) -> float:
-    cap = check.positive_float("logits_soft_cap", value, 0.0) if value != 0 else 0.0
-    return cap
+    """FlashInfer's convention: 0 means no cap; otherwise a finite cap > 0."""
+    return 0.0 if value == 0 and not isinstance(value, bool) else check.positive_float("logits_soft_cap", value, 0.0)
 
 
 def rows_per_tile(head_dim: int, kv_element_size: int) -> int:
@@ -165,12 +166,14 @@ def rows_per_tile(head_dim: int, kv_element_size: int) -> int:
 def _split(rows: int, ctas_per_chunk: int, tile: int, capacity: int) -> tuple[int, int]:
     """(chunk_len, num_chunks) for `rows` KV rows.
 
-    Rule: the most chunks whose CTAs fit in `capacity`, which the caller sets to half a wave (SMs x
-    resident CTAs per SM, from the compiler's occupancy, / 2): never a second, partial wave, and
-    on the H200 half a wave beat a full one at every length measured (fewer partials to write and
-    merge; two CTAs per SM already keep 64 KB of loads in flight). No chunk shorter than MIN_CHUNK_TILES tiles (short chunks cost more in partials and merging
-    than they gain), and at most MAX_CHUNKS. One chunk means one launch and no merge. Chunks are
-    whole tiles, so only the last one has a ragged end."""
+    Rule: the most chunks whose CTAs fit in `capacity`, which the caller sets to half a wave
+    (SMs x resident CTAs per SM, from the kernel's occupancy, / 2): never a second, partial wave,
+    and on the H200 half a wave beat a full one at every length measured (fewer partials to write
+    and merge; two CTAs per SM already keep 64 KB of loads in flight). No chunk shorter than
+    MIN_CHUNK_TILES tiles (short chunks cost more in partials and merging than they gain), and at
+    most MAX_CHUNKS. One chunk means one launch and no merge. Chunks are whole tiles, so only the
+    last one has a ragged end. This holds from kv_len 1 (one chunk) to 128k, MHA and GQA alike:
+    GQA has fewer CTAs per chunk, so it gets more chunks."""
     tiles = -(-rows // tile)
     chunks = max(1, min(capacity // ctas_per_chunk, -(-tiles // MIN_CHUNK_TILES), MAX_CHUNKS))
     chunk_len = -(-tiles // chunks) * tile
