@@ -45,3 +45,16 @@ def require_nvcc() -> None:
         if in_ci():
             pytest.fail(message)
         pytest.skip(message)
+
+
+def missing_names(message: str, names) -> list[str]:
+    """The names that do NOT appear in an error message (as a whole word where the name is one)."""
+    import re
+
+    missing = []
+    for name in names:
+        word = re.fullmatch(r"\w+", name)
+        pattern = rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])" if word else re.escape(name)
+        if not re.search(pattern, message):
+            missing.append(name)
+    return missing

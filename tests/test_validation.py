@@ -15,6 +15,7 @@ import torch
 import jitattn
 import jitattn.decode as decode
 from jitattn import _checks
+from tests.conftest import missing_names
 
 F16, BF16 = torch.float16, torch.bfloat16
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
@@ -146,16 +147,6 @@ def _materialize(overrides):
     return {name: value() if callable(value) else value for name, value in overrides.items()}
 
 
-def _names_in(message: str, names) -> list[str]:
-    """The names that do NOT appear in message (as a whole word where the name is a word)."""
-    missing = []
-    for name in names:
-        pattern = rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])" if re.fullmatch(r"\w+", name) else re.escape(name)
-        if not re.search(pattern, message):
-            missing.append(name)
-    return missing
-
-
 def _params(table):
     return [pytest.param(*case[1:4], id=case[0], marks=case[4:]) for case in table]
 
@@ -167,7 +158,7 @@ def test_invalid_call_raises_naming_the_argument_before_compiling(overrides, exc
     err = info.value
     assert type(err) is exc_type, f"expected {exc_type.__name__}, got {type(err).__name__}: {err}"
     message = str(err)
-    assert not _names_in(message, names), f"message {message!r} does not name {_names_in(message, names)}"
+    assert not missing_names(message, names), f"message {message!r} does not name {missing_names(message, names)}"
 
 
 def test_invalid_table_is_large_and_ids_are_unique():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from jitattn.varlen_checks import AuxRequest, VarlenArgs, check_varlen_args, check_varlen_values
+from tests.conftest import missing_names
 
 F16, BF16, I32 = torch.float16, torch.bfloat16, torch.int32
 
@@ -175,16 +176,6 @@ def _materialize(overrides):
     return args
 
 
-def _missing(message: str, names) -> list[str]:
-    """The names that do NOT appear in message (as a whole word where the name is a word)."""
-    missing = []
-    for name in names:
-        pattern = rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])" if re.fullmatch(r"\w+", name) else re.escape(name)
-        if not re.search(pattern, message):
-            missing.append(name)
-    return missing
-
-
 @pytest.mark.parametrize("overrides,exc_type,names", [pytest.param(*c[1:], id=c[0]) for c in INVALID])
 def test_invalid_call_raises_naming_the_argument(overrides, exc_type, names):
     with pytest.raises(Exception) as info:
@@ -192,7 +183,7 @@ def test_invalid_call_raises_naming_the_argument(overrides, exc_type, names):
     err = info.value
     assert type(err) is exc_type, f"expected {exc_type.__name__}, got {type(err).__name__}: {err}"
     assert "CUDA" not in str(err), f"stopped at the device check, not the intended one: {err}"
-    assert not _missing(str(err), names), f"message {str(err)!r} does not name {_missing(str(err), names)}"
+    assert not missing_names(str(err), names), f"message {str(err)!r} does not name {missing_names(str(err), names)}"
 
 
 def test_invalid_table_is_large_and_ids_are_unique():
@@ -325,7 +316,7 @@ def test_check_varlen_values_rejects_bad_values_naming_the_argument(overrides, n
     with pytest.raises(ValueError) as info:
         values(paged, **{n: v for n, v in overrides.items() if n != "paged"})
     assert type(info.value) is ValueError
-    assert not _missing(str(info.value), names), f"{str(info.value)!r} does not name {_missing(str(info.value), names)}"
+    assert not missing_names(str(info.value), names), f"{str(info.value)!r} does not name {missing_names(str(info.value), names)}"
 
 
 @pytest.mark.parametrize("paged,overrides", [
