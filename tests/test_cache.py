@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import pytest
 from jitattn.errors import MissingSpecializationError
 from jitattn.jit import cache, keys, loader, render
 from jitattn.jit.spec import DecodeSpec
+from tests.corruptions import CORRUPTIONS, _flip_byte, _manifest_of_another_key
 
 NAME = "decode_f16_kvf16_d128_posnone_cap0_g1"
 SCHEMA = keys.CACHE_SCHEMA
@@ -86,50 +86,6 @@ def test_an_absent_entry_is_a_miss(tmp_path):
     assert "no manifest" in cache.why_invalid(path)
 
 
-def _truncate(path, other):
-    so = path / cache.LIBRARY
-    so.write_bytes(so.read_bytes()[:-7])
-
-
-def _flip_byte(path, other):
-    so = path / cache.LIBRARY
-    data = bytearray(so.read_bytes())
-    data[len(data) // 2] ^= 0x40
-    so.write_bytes(bytes(data))
-
-
-def _remove_manifest(path, other):
-    (path / cache.MANIFEST).unlink()
-
-
-def _remove_library(path, other):
-    (path / cache.LIBRARY).unlink()
-
-
-def _malformed_manifest(path, other):
-    text = (path / cache.MANIFEST).read_text()
-    (path / cache.MANIFEST).write_text(text[: len(text) // 2])
-
-
-def _manifest_without_library(path, other):
-    manifest = json.loads((path / cache.MANIFEST).read_text())
-    del manifest["library"]
-    (path / cache.MANIFEST).write_text(json.dumps(manifest))
-
-
-def _manifest_of_another_key(path, other):
-    shutil.copy(other / cache.MANIFEST, path / cache.MANIFEST)
-
-
-CORRUPTIONS = {
-    "truncated module.so": (_truncate, "size"),
-    "one flipped byte": (_flip_byte, "sha256"),
-    "missing manifest": (_remove_manifest, "no manifest.json"),
-    "missing module.so": (_remove_library, "module.so missing"),
-    "malformed manifest JSON": (_malformed_manifest, "malformed manifest.json"),
-    "manifest without library record": (_manifest_without_library, "malformed manifest.json"),
-    "manifest copied from another key's entry": (_manifest_of_another_key, "another key"),
-}
 
 
 @pytest.mark.parametrize("case", list(CORRUPTIONS))

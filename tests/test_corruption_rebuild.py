@@ -21,6 +21,7 @@ from jitattn.jit import cache, keys, loader, render
 from jitattn.jit.spec import DecodeSpec
 from tests.conftest import require_nvcc
 from tests.procs import ARCH, ARCH_TAG, REPO, child_env, last_json, run_child, tree
+from tests.corruptions import CORRUPTIONS
 
 pytestmark = pytest.mark.compile
 
@@ -71,43 +72,6 @@ def built(tmp_path_factory) -> tuple[Path, Path, Path]:
     return root, entry, other
 
 
-def _truncate(entry: Path, other: Path) -> None:
-    so = entry / cache.LIBRARY
-    so.write_bytes(so.read_bytes()[: so.stat().st_size // 2])
-
-
-def _flip_byte(entry: Path, other: Path) -> None:
-    so = entry / cache.LIBRARY
-    data = bytearray(so.read_bytes())
-    data[len(data) // 3] ^= 0x01
-    so.write_bytes(bytes(data))
-
-
-def _missing_manifest(entry: Path, other: Path) -> None:
-    (entry / cache.MANIFEST).unlink()
-
-
-def _malformed_manifest(entry: Path, other: Path) -> None:
-    text = (entry / cache.MANIFEST).read_text()
-    (entry / cache.MANIFEST).write_text(text[: len(text) // 2])
-
-
-def _manifest_of_another_key(entry: Path, other: Path) -> None:
-    shutil.copy(other / cache.MANIFEST, entry / cache.MANIFEST)
-
-
-def _missing_library(entry: Path, other: Path) -> None:
-    (entry / cache.LIBRARY).unlink()
-
-
-CORRUPTIONS = {  # name -> (corrupt(entry, other), what why_invalid says)
-    "truncated module.so": (_truncate, "module.so size"),
-    "one flipped byte in module.so": (_flip_byte, "sha256 does not match"),
-    "missing manifest.json": (_missing_manifest, "no manifest.json"),
-    "malformed manifest.json": (_malformed_manifest, "malformed manifest.json"),
-    "manifest.json of another key": (_manifest_of_another_key, "another key"),
-    "missing module.so": (_missing_library, "module.so missing"),
-}
 
 
 @pytest.fixture
