@@ -21,9 +21,17 @@ __all__ = [
     "JitattnError",
     "MissingSpecializationError",
     "ToolchainError",
+    "AuxRequest",
     "single_decode_with_kv_cache",
+    "varlen_attn",
+    "varlen_attn_out",
 ]
-_LAZY = {"single_decode_with_kv_cache": "jitattn.decode"}
+_LAZY = {
+    "single_decode_with_kv_cache": "jitattn.decode",
+    "varlen_attn": "jitattn.varlen",
+    "varlen_attn_out": "jitattn.varlen",
+    "AuxRequest": "jitattn.varlen_checks",
+}
 
 
 def __getattr__(name: str):

@@ -9,6 +9,7 @@ import math
 import torch
 
 from jitattn import _checks as check
+from jitattn._kernel import LoadedKernel
 from jitattn.jit import env
 from jitattn.jit.loader import get_module
 from jitattn.jit.spec import DecodeSpec
@@ -21,7 +22,7 @@ LAYOUTS = ("NHD", "HND")
 POS_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 
 _KV_DOC = "[kv_len, num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND)"
-_kernels: dict[tuple, "_Kernel"] = {}  # spec fields -> loaded kernel: the per-call fast path
+_kernels: dict[tuple, LoadedKernel] = {}  # spec fields -> loaded kernel: the per-call fast path
 
 
 def single_decode_with_kv_cache(
@@ -47,6 +48,11 @@ def single_decode_with_kv_cache(
     [num_kv_heads, kv_len, head_dim] ("HND"). Returns out [num_qo_heads, head_dim] in q's dtype,
     and with return_lse=True also lse [num_qo_heads] (float32, base 2).
     """
+    if torch.compiler.is_compiling():  # the registered op: opaque to the compiler (jitattn/ops.py)
+        out, lse = torch.ops.jitattn.single_decode_with_kv_cache(
+            q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left,
+            logits_soft_cap, sm_scale, rope_scale, rope_theta)
+        return (out, lse) if return_lse else out
     q = check.tensor("q", q, 2, "[num_qo_heads, head_dim]")
     k = check.tensor("k", k, 3, _KV_DOC)
     v = check.tensor("v", v, 3, _KV_DOC)
@@ -117,7 +123,7 @@ def single_decode_with_kv_cache(
     spec_fields = (head_dim, check.DTYPE_NAMES[dtype], kv_name, pos_encoding_mode, cap > 0, group_tile, tensor_cores)
     kernel = _kernels.get(spec_fields)
     if kernel is None:
-        kernel = _kernels[spec_fields] = _Kernel(get_module(DecodeSpec(*spec_fields)))
+        kernel = _kernels[spec_fields] = LoadedKernel(get_module(DecodeSpec(*spec_fields)))
 
     q, k, v = check.vector_ready(q), check.vector_ready(k), check.vector_ready(v)
     kv_begin = kv_len - 1 - window_left if 0 <= window_left < kv_len - 1 else 0
@@ -132,23 +138,6 @@ def single_decode_with_kv_cache(
     if env.debug():
         torch.cuda.synchronize(device)
     return (out, lse) if return_lse else out
-
-
-class _Kernel:
-    """A loaded decode module: its launch op and, per device, how many CTAs fill one wave."""
-
-    def __init__(self, module):
-        self.run = module.ops.run.default  # an OpOverload: skips overload resolution per call
-        self._ctas_per_sm = module.ops.ctas_per_sm.default
-        self._capacity: dict[int, int] = {}
-
-    def capacity(self, device: torch.device) -> int:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        cap = self._capacity.get(index)
-        if cap is None:
-            sms = torch.cuda.get_device_properties(index).multi_processor_count
-            cap = self._capacity[index] = sms * int(self._ctas_per_sm(index))
-        return cap
 
 
 def _soft_cap(value) -> float:
@@ -178,3 +167,6 @@ def _split(rows: int, ctas_per_chunk: int, tile: int, capacity: int) -> tuple[in
     chunks = max(1, min(capacity // ctas_per_chunk, -(-tiles // MIN_CHUNK_TILES), MAX_CHUNKS))
     chunk_len = -(-tiles // chunks) * tile
     return chunk_len, -(-rows // chunk_len)
+
+
+import jitattn.ops  # noqa: E402,F401  (registers the custom ops; imports this module back)

@@ -137,6 +137,9 @@ def check_varlen_args(
         page_size = key.shape[1]
         if page_size < 1:
             raise ValueError(f"key/value page pool must have page_size >= 1 (dim 1), got shape {tuple(key.shape)}")
+        if page_size & (page_size - 1):
+            raise ValueError(f"key/value page pool must have a page_size (dim 1) that is a power of two, "
+                             f"got {page_size} (shape {tuple(key.shape)})")
 
     # -- batch metadata
     if cu_seq_q.shape[0] < 2:

@@ -15,6 +15,7 @@ import torch
 import jitattn
 import jitattn.decode as decode
 from jitattn import _checks
+from jitattn._kernel import LoadedKernel
 from tests.conftest import missing_names
 
 F16, BF16 = torch.float16, torch.bfloat16
@@ -356,7 +357,7 @@ def test_kernel_capacity_is_sms_times_occupancy_and_is_memoized_per_device(monke
         return types.SimpleNamespace(multi_processor_count=SMS)
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", props)
-    kernel = decode._Kernel(module)
+    kernel = LoadedKernel(module)
     device = torch.device("cuda", 0)
     assert kernel.capacity(device) == WAVE
     assert kernel.capacity(device) == WAVE  # memoized: no second CUDA query

@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jitattn  # noqa: E402
 import jitattn.decode as decode  # noqa: E402
+from jitattn._kernel import LoadedKernel  # noqa: E402
 from bench_util import host_us_per_call, time_us  # noqa: E402
 
 SHAPES = [(32, 32, 4096), (32, 32, 32768), (32, 8, 1024), (32, 8, 4096), (32, 8, 32768)]
@@ -62,20 +63,20 @@ def kernel_breakdown():
 def sweep():
     print("| shape | min_tiles | capacity x | chunks | us |")
     print("|---|---:|---:|---:|---:|")
-    original = decode._Kernel.capacity
+    original = LoadedKernel.capacity
     for num_qo, num_kv, kv_len in SHAPES:
         q, k, v = inputs(num_qo, num_kv, kv_len)
         for min_tiles in (1, 2, 4):
             for factor in (0.5, 1, 2):
                 decode.MIN_CHUNK_TILES = min_tiles
-                decode._Kernel.capacity = lambda self, dev, f=factor: int(original(self, dev) * f * 2)
+                LoadedKernel.capacity = lambda self, dev, f=factor: int(original(self, dev) * f * 2)
                 us = time_us(lambda: jitattn.single_decode_with_kv_cache(q, k, v), reps=20)
                 group = decode.DecodeSpec.group_tile_for(num_qo // num_kv)
-                capacity = decode._Kernel.capacity(next(iter(decode._kernels.values())), q.device) // 2
+                capacity = LoadedKernel.capacity(next(iter(decode._kernels.values())), q.device) // 2
                 chunks = decode._split(kv_len, num_kv * -(-(num_qo // num_kv) // group),
                                        decode.rows_per_tile(128, 2), capacity)[1]
                 print(f"| {num_qo}/{num_kv} L={kv_len} | {min_tiles} | {factor} | {chunks} | {us:.1f} |", flush=True)
-    decode._Kernel.capacity = original
+    LoadedKernel.capacity = original
     decode.MIN_CHUNK_TILES = 2
 
 

@@ -78,7 +78,66 @@ class DecodeSpec(KernelSpec):
         )
 
 
-FAMILIES: dict[str, type[KernelSpec]] = {cls.family: cls for cls in (DecodeSpec,)}
+@dataclass(frozen=True)
+class VarlenSpec(KernelSpec):
+    """varlen_attn: packed sequences (optionally a paged KV pool) on tensor cores.
+
+    Windows, GQA ratio, page size, split count and lengths are runtime arguments; what changes
+    the code is the head_dim, the dtype, paging (how a key row is addressed) and the tile shape.
+    `decode` picks the shape for few query rows per KV head (16 rows, each tile's keys spread over
+    4 warps) instead of the prefill one (the rows spread over the warps). The tile fields
+    (warps_m, m_tiles, block_n, stages) default to 0, which means the tuned shape for the head_dim
+    (`default_tile`); they are resolved on construction, so a spec always names its exact tile."""
+
+    family: ClassVar[str] = "varlen"
+    sources: ClassVar[dict[str, str]] = {
+        "binding.cpp": "varlen/binding.cpp.j2",
+        "kernels.cu": "varlen/kernels.cu.j2",
+    }
+
+    head_dim: int
+    dtype: str = "float16"
+    paged: bool = False
+    decode: bool = False
+    warps_m: int = 0  # warps along the query rows (decode shapes: 1, and 4 warps along the keys)
+    m_tiles: int = 0  # 16-row MMA tiles per warp
+    block_n: int = 0  # keys per pipeline stage
+    stages: int = 0   # cp.async pipeline depth
+
+    def __post_init__(self):
+        for name, value in zip(("warps_m", "m_tiles", "block_n", "stages"), self.default_tile(self.head_dim, self.decode)):
+            if getattr(self, name) == 0:
+                object.__setattr__(self, name, value)
+
+    @staticmethod
+    def default_tile(head_dim: int, decode: bool) -> tuple[int, int, int, int]:
+        """(warps_m, m_tiles, block_n, stages), measured on the H200 (tools/bench_varlen.py)."""
+        if decode:
+            return (1, 1, 64, 3 if head_dim <= 128 else 2)
+        return (4, 2, 64, 2) if head_dim <= 128 else (8, 1, 32, 2)
+
+    @property
+    def warps_n(self) -> int:
+        return 4 if self.decode else 1
+
+    @property
+    def block_m(self) -> int:
+        return self.warps_m * self.m_tiles * 16
+
+    def params(self) -> dict:
+        return {**super().params(), "warps_n": self.warps_n}
+
+    def to_dict(self) -> dict:
+        return {"family": self.family, **super().params()}
+
+    @property
+    def name(self) -> str:
+        tile = f"m{self.warps_m}x{self.m_tiles}n{self.block_n}s{self.stages}"
+        return (f"varlen_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{'_paged' if self.paged else ''}"
+                f"_{'decode' if self.decode else 'prefill'}_{tile}")
+
+
+FAMILIES: dict[str, type[KernelSpec]] = {cls.family: cls for cls in (DecodeSpec, VarlenSpec)}
 
 
 def spec_from_dict(data: dict) -> KernelSpec:

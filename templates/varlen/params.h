@@ -1,0 +1,30 @@
+// Arguments of one varlen launch; filled by the binding, read by the kernels.
+// Packed rows: a CTA's query rows are (token, head) pairs of one KV head's GQA group, row
+// pr = token * pack + (query head within the group), so one K/V tile serves the whole group.
+struct VarlenParams {
+  const void* q;              // (T_q, H_q, D): element at token * q_stride_token + head * q_stride_head
+  const void* k;              // (T_k, H_kv, D), or a page pool (pages, page_size, H_kv, D)
+  const void* v;
+  void* out;                  // (T_q, H_q, D), dtype of q
+  float* lse;                 // (H_q, T_q) natural log, or nullptr
+  float* partial_o;           // (num_splits, T_q, H_q, D) fp32 when num_splits > 1
+  float* partial_lse;         // (num_splits, H_q, T_q), log2 units
+  const int* cu_seq_q;        // (N + 1,)
+  const int* cu_seq_k;        // (N + 1,), nullptr when paged
+  const int* seqused_k;       // (N,) or nullptr
+  const int* block_table;     // (N, max_pages) when paged
+  int* bad_page;              // debug: {flag, sequence, logical page} of an out-of-range page id
+  int64_t q_stride_token, q_stride_head;
+  int64_t out_stride_token, out_stride_head;
+  int64_t k_stride_page, k_stride_token, k_stride_head;  // unpaged: k_stride_page unused
+  int64_t v_stride_page, v_stride_token, v_stride_head;
+  int64_t block_table_stride;
+  int num_seqs, num_heads_q, num_heads_kv, total_q, total_k;  // total_k: T_k, or pages when paged
+  int pack;                   // query heads per KV head packed into a CTA's rows (the GQA group)
+  int num_m_blocks;           // row blocks per (sequence, KV head): ceil(max_q * pack / BLOCK_M)
+  int num_splits;             // KV splits per row block (>1: fp32 partials, then merge_splits)
+  int window_left, window_right;  // -1: unbounded on that side
+  int page_shift, page_mask;  // page_size = 1 << page_shift
+  float scale_log2;           // softmax scale * log2(e)
+  int device;
+};
