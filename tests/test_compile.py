@@ -24,7 +24,7 @@ import jitattn
 from jitattn.errors import CacheNotWritable, JitCompileError, MissingSpecializationError
 from jitattn.jit import cache, keys, loader, record, render
 from jitattn.jit.manifest import read_manifest
-from jitattn.jit.spec import DecodeSpec
+from jitattn.jit.spec import DecodeSpec, VarlenSpec
 from tests.conftest import require_nvcc
 
 pytestmark = pytest.mark.compile
@@ -379,3 +379,18 @@ def test_cache_root_below_a_file_raises_cache_not_writable(tmp_path, monkeypatch
     assert str(root) in message and "JITATTN_CACHE_DIR" in message
     assert isinstance(info.value, jitattn.JitattnError)
     assert loader.COMPILE_COUNT == before
+
+
+def test_each_varlen_tile_shape_compiles_and_registers_its_ops(tmp_path, monkeypatch):
+    """The varlen family's two tile shapes (prefill, decode), paged and not: real nvcc builds for
+    sm_90 through the pipeline, each loaded with its run and ctas_per_sm ops."""
+    import torch
+
+    use_cache(monkeypatch, tmp_path / "cache")
+    monkeypatch.setattr(loader, "_modules", {})
+    for spec in (VarlenSpec(head_dim=64, dtype="bfloat16", paged=True, decode=False),
+                 VarlenSpec(head_dim=64, dtype="float16", paged=False, decode=True)):
+        module, was_compiled = loader.build_spec(spec)
+        assert was_compiled and cache.why_invalid(module.entry.path) is None
+        ops = getattr(torch.ops, loader.op_namespace(spec, module.entry.key))
+        assert "block_table" in str(ops.run.default._schema) and callable(ops.ctas_per_sm)

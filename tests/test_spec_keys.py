@@ -16,7 +16,7 @@ import pytest
 
 from jitattn.errors import ToolchainError
 from jitattn.jit import keys, render, toolchain
-from jitattn.jit.spec import DecodeSpec, spec_from_dict
+from jitattn.jit.spec import DecodeSpec, VarlenSpec, spec_from_dict
 
 TARGET = keys.BuildTarget(("9.0",), "13.0.88", "gcc 12.2.0")
 DECODE_ENTRY_POINTS = tuple(sorted(DecodeSpec.sources.values()))
@@ -496,3 +496,33 @@ def test_fingerprint_without_a_toolkit_raises_toolchain_error(tmp_path, monkeypa
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
     with pytest.raises(ToolchainError, match="no CUDA toolkit"):
         toolchain.fingerprint(memo_dir=None)
+
+
+@pytest.mark.parametrize("head_dim", range(32, 257, 16))
+def test_every_varlen_variant_renders_completely(head_dim):
+    for dtype, ctype in DTYPES.items():
+        for paged in (False, True):
+            for decode in (False, True):
+                spec = VarlenSpec(head_dim=head_dim, dtype=dtype, paged=paged, decode=decode)
+                out = render.render(spec, "ns")
+                for name, text in out.items():
+                    assert not JINJA_LEFTOVER.search(text), (spec.name, name, JINJA_LEFTOVER.search(text))
+                    assert spec.name in text
+                kernels = out["kernels.cu"]
+                assert f"constexpr int HEAD_DIM = {head_dim};" in kernels and f"using T = {ctype};" in kernels
+                assert f"constexpr bool PAGED = {'true' if paged else 'false'};" in kernels
+                assert f"constexpr bool DECODE = {'true' if decode else 'false'};" in kernels
+
+
+def test_varlen_names_and_keys_differ_in_every_field():
+    base = VarlenSpec(head_dim=128)
+    assert base.name == "varlen_f16_d128_prefill_m4x2n64s2"
+    variants = [base, VarlenSpec(head_dim=64), VarlenSpec(head_dim=128, dtype="bfloat16"),
+                VarlenSpec(head_dim=128, paged=True), VarlenSpec(head_dim=128, decode=True),
+                VarlenSpec(head_dim=128, warps_m=8, m_tiles=1), VarlenSpec(head_dim=128, block_n=32),
+                VarlenSpec(head_dim=128, stages=3)]
+    target = keys.BuildTarget(("9.0",), "13.0.88", "gcc 12.2.0")
+    assert len({v.name for v in variants}) == len({keys.key_of(keys.components(v, target)) for v in variants}) == 8
+    assert VarlenSpec(head_dim=128, warps_m=4) == base  # 0 and the default tile are the same spec
+    assert spec_from_dict(VarlenSpec(head_dim=96, dtype="bfloat16", paged=True).to_dict()) == \
+        VarlenSpec(head_dim=96, dtype="bfloat16", paged=True)

@@ -333,3 +333,120 @@ def test_check_varlen_values_rejects_bad_values_naming_the_argument(overrides, n
         "no-keys", "paged-no-keys-ignores-padding", "paged-full-pages", "max-above-longest"])
 def test_check_varlen_values_accepts_valid_values(paged, overrides):
     assert values(paged, **overrides) is None
+
+
+# ------------------------------------------------------------------ the public API (issue 6)
+# The same invalid calls through jitattn.varlen_attn / jitattn.varlen_attn_out with CPU tensors:
+# each raises the table's exception naming the argument, before anything is compiled
+# (jitattn.varlen.get_module is patched to fail the test if reached).
+
+POSITIONAL = ("query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k")
+SPEC_KEYWORDS = {"return_aux": None, "scale": None, "window_size": (-1, -1), "enable_gqa": False,
+                 "seqused_k": None, "block_table": None, "num_splits": None}
+
+
+@pytest.fixture
+def api(monkeypatch):
+    """The jitattn package, with every path to a compile patched to fail the test."""
+    import jitattn
+    import jitattn.varlen as varlen
+    from jitattn.jit import loader
+
+    def forbidden(spec):
+        pytest.fail(f"get_module({spec!r}) was called: validation must reject the call first")
+
+    monkeypatch.setattr(varlen, "get_module", forbidden)  # varlen.py: `from jitattn.jit.loader import get_module`
+    monkeypatch.setattr(loader, "get_module", forbidden)
+    for memo in ("_modules", "_kernels"):  # per-call fast-path memos, if any: start empty
+        if isinstance(getattr(varlen, memo, None), dict):
+            monkeypatch.setattr(varlen, memo, {})
+    return jitattn
+
+
+def public_call(jitattn, function, args):
+    """Call jitattn.<function> with `args` (check_varlen_args' names; `out` only for varlen_attn_out).
+    varlen_attn_out without an `out` in args gets a valid one: zeros like query."""
+    args = dict(args)
+    positional = [args.pop(name) for name in POSITIONAL]
+    if function == "varlen_attn":
+        assert "out" not in args
+        return jitattn.varlen_attn(*positional, **args)
+    query = positional[0]
+    out = args.pop("out") if "out" in args else (
+        torch.zeros_like(query) if isinstance(query, torch.Tensor) else torch.zeros(10, 4, 64, dtype=F16))
+    return jitattn.varlen_attn_out(out, *positional, **args)
+
+
+PUBLIC_ONLY = [
+    ("out-none", {"out": None}, TypeError, ["out"]),
+    ("out-int", {"out": 0}, TypeError, ["out", "torch.Tensor"]),
+    ("out-int32", {"out": t(10, 4, 64, dtype=I32)}, TypeError, ["out", "int32"]),
+    ("out-rank-2", {"out": t(10, 256)}, ValueError, ["out", "(10, 256)"]),
+    ("out-missing-head", {"out": t(10, 3, 64)}, ValueError, ["out", "(10, 3, 64)"]),
+    ("out-paged-wrong-shape", {**P, "out": t(10, 4, 128)}, ValueError, ["out", "(10, 4, 128)"]),
+    ("return-aux-str", {"return_aux": "lse"}, TypeError, ["return_aux"]),
+    ("return-aux-tuple-str", {"return_aux": ("yes",)}, TypeError, ["return_aux"]),
+]
+PUBLIC_CASES = [
+    pytest.param(fn, overrides, exc, names, id=f"{fn}-{case_id}")
+    for case_id, overrides, exc, names in INVALID + PUBLIC_ONLY
+    for fn in ("varlen_attn", "varlen_attn_out")
+    if fn == "varlen_attn_out" or not (isinstance(overrides, dict) and "out" in overrides)
+]
+
+
+@pytest.mark.parametrize("function,overrides,exc_type,names", PUBLIC_CASES)
+def test_public_invalid_call_raises_naming_the_argument(api, function, overrides, exc_type, names):
+    with pytest.raises(Exception) as info:
+        public_call(api, function, _materialize(overrides))
+    err = info.value
+    assert type(err) is exc_type, f"expected {exc_type.__name__}, got {type(err).__name__}: {err}"
+    assert "CUDA" not in str(err), f"stopped at the device check, not the intended one: {err}"
+    assert not missing_names(str(err), names), f"message {str(err)!r} does not name {missing_names(str(err), names)}"
+
+
+def test_public_invalid_table_is_large():
+    assert len(PUBLIC_CASES) >= 30
+    assert len({p.id for p in PUBLIC_CASES}) == len(PUBLIC_CASES)
+
+
+@pytest.mark.parametrize("function", ["varlen_attn", "varlen_attn_out"])
+@pytest.mark.parametrize("overrides", [c[1] for c in VALID if c[0] != "meta-tensors"],
+                         ids=[c[0] for c in VALID if c[0] != "meta-tensors"])
+def test_public_valid_cpu_call_stops_at_the_cuda_device_check(api, function, overrides):
+    """Valid arguments on the CPU: the only error is the device check (nothing compiled)."""
+    args = _materialize(overrides)
+    if function == "varlen_attn":
+        args.pop("out", None)
+    with pytest.raises(ValueError) as info:
+        public_call(api, function, args)
+    assert type(info.value) is ValueError
+    assert "CUDA" in str(info.value) and "query" in str(info.value), str(info.value)
+
+
+def test_public_signatures_match_the_spec():
+    import inspect
+
+    import jitattn
+
+    for name, leading in (("varlen_attn", POSITIONAL), ("varlen_attn_out", ("out",) + POSITIONAL)):
+        params = inspect.signature(getattr(jitattn, name)).parameters
+        assert tuple(params)[: len(leading)] == leading, f"{name} positional parameters: {tuple(params)}"
+        for p in leading:
+            assert params[p].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, f"{name}({p}) must be positional"
+            assert params[p].default is inspect.Parameter.empty, f"{name}({p}) must have no default"
+        keywords = {n: p for n, p in params.items() if n not in leading}
+        assert set(keywords) == set(SPEC_KEYWORDS), f"{name} keyword parameters: {sorted(keywords)}"
+        for n, p in keywords.items():
+            assert p.kind is inspect.Parameter.KEYWORD_ONLY, f"{name}: {n} must be keyword-only"
+            assert p.default == SPEC_KEYWORDS[n], f"{name}: {n} defaults to {p.default!r}"
+        torch_fn = getattr(getattr(torch.nn.attention, "varlen", None), name, None)
+        if torch_fn is not None and "block_table" in inspect.signature(torch_fn).parameters:
+            assert list(params) == list(inspect.signature(torch_fn).parameters), f"{name} differs from torch's"
+
+
+def test_public_aux_request_is_exported():
+    import jitattn
+
+    assert jitattn.AuxRequest is AuxRequest
+    assert jitattn.AuxRequest(lse=True).lse is True and jitattn.AuxRequest().lse is False
