@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: GPU tests, then the decode benchmark; prints a short table last.
+# One call on the GPU machine: GPU tests, then the benchmarks; prints short tables last.
 #   tools/device_check.sh [--profile] [pytest args...]
 # With a cache artifact in .seedpack/*.tar.gz (built on any machine:
 #   jitattn prewarm cache/gpu-tests.toml --arch 9.0
@@ -44,5 +44,8 @@ if [ $profile = 1 ]; then
     grep -E "decode_chunk|Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy|Theoretical Occupancy|Stall|Warp Cycles Per Issued|Registers" "$OUT/ncu.log" | head -60
   fi
 fi
-[ "${BENCH:-1}" = 1 ] && python3 tools/bench_decode.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+# BENCH: decode (default), varlen, all or 0; BENCH_ARGS go to each benchmark (e.g. --quick).
+bench=${BENCH:-decode}
+case "$bench" in decode|all|1) python3 tools/bench_decode.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;; esac
+case "$bench" in varlen|all) python3 tools/bench_varlen.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_varlen.log" ;; esac
 exit $status

@@ -1,0 +1,243 @@
+"""Varlen benchmark: jitattn.varlen_attn vs torch's own varlen_attn and SDPA on the same shapes in
+the same run.
+
+(a) prefill: bf16, batch 8 x 4096 tokens, D*H = 2048 (D64 x 32 heads, D128 x 16, D256 x 8),
+    causal and non-causal; TFLOP/s count only unmasked work (4*T^2*D*H per sequence, half that
+    causal). Peers: torch.nn.attention.varlen.varlen_attn and SDPA on (8, H, 4096, D).
+(b) paged decode: 64 sequences x 4096 keys, 32 query / 8 KV heads, D128 bf16, page size 16, pages
+    a random permutation of the pool, max_q=1, seqused_k=4096; us and TB/s (K+V pages read + q +
+    out). Peer: SDPA (enable_gqa, or KV heads repeated outside the timing) on the dense
+    (64,32,1,D) x (64,8,4096,D); torch's varlen_attn too where it takes block_table.
+(c) skewed batch: causal bf16 D128 16 heads, lengths 128..16384 doubling (8 sequences);
+    TFLOP/s vs torch's varlen_attn.
+CUDA-event timing of device time (host time hidden), warm-up, cold L2 (each timed call reads a
+different input set, the sets together >= 256 MB), median of the timed calls.
+Run: python tools/bench_varlen.py [--quick] [--parts prefill decode skewed]
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repo, when jitattn is not installed
+import jitattn  # noqa: E402
+from bench_util import sets_needed, time_us  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+# ---------------------------------------------------------------- peers
+def torch_varlen():
+    """(torch's varlen_attn or None, its parameter names)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, set()
+    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
+
+
+def torch_window_kwargs(params: set, causal: bool) -> dict | None:
+    """How torch's varlen_attn asks for causal/full attention (window_size on newer torch,
+    is_causal on 2.10); None if it can't."""
+    if "window_size" in params:
+        return {"window_size": (-1, 0) if causal else (-1, -1)}
+    if "is_causal" in params:
+        return {"is_causal": causal}
+    return None if causal else {}
+
+
+def sdpa_has_enable_gqa() -> bool:
+    q = torch.zeros(1, 4, 1, 64, device="cuda", dtype=BF16)
+    kv = torch.zeros(1, 2, 8, 64, device="cuda", dtype=BF16)
+    try:
+        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+        return True
+    except TypeError:
+        return False
+
+
+def timed(fns, args, what):
+    """Median us of fns (a list over input sets), or None with a note if a peer cannot run it."""
+    if not fns:
+        return None
+    try:
+        return time_us(fns, warmup=args.warmup, reps=args.reps)
+    except Exception as exc:  # a peer that rejects the shape: report, keep going
+        print(f"  ({what} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]})", flush=True)
+        return None
+
+
+def fmt(x, spec=".1f"):
+    return "-" if x is None else format(x, spec)
+
+
+def ratio(ours, peer):
+    return "-" if ours is None or peer is None else f"{peer / ours:.2f}x"
+
+
+def sanity(ours, peer_fn, what):
+    """Print a warning when jitattn and a peer disagree on the first input set."""
+    try:
+        peer = peer_fn()
+    except Exception:
+        return  # timed() reports the peer's failure
+    diff = (ours.float() - peer.float()).abs().max().item()
+    if not diff < 0.1:
+        print(f"  WARNING: {what}: jitattn and the peer differ by {diff:.3g} (max abs)", flush=True)
+
+
+def cu(lengths):
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    return torch.tensor(starts, dtype=torch.int32, device="cuda")
+
+
+# ---------------------------------------------------------------- (a) prefill
+def bench_prefill(args):
+    batch, seq = 8, 4096
+    fn, params = torch_varlen()
+    print("\n### prefill: bf16, 8 x 4096 tokens, D*H = 2048\n")
+    print("| D | heads | causal | jitattn us | jitattn TFLOP/s | torch varlen TFLOP/s | SDPA TFLOP/s "
+          "| speedup vs torch varlen | speedup vs SDPA |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    for head_dim in (64, 128, 256):
+        heads = 2048 // head_dim
+        tokens = batch * seq
+        per_set = 4 * tokens * heads * head_dim * 2  # q, k, v, out
+        cu_seq = cu([seq] * batch)
+        sets = []
+        for _ in range(sets_needed(per_set)):
+            q, k, v = (torch.randn(tokens, heads, head_dim, device="cuda", dtype=BF16) for _ in range(3))
+            sdpa = [t.view(batch, seq, heads, head_dim).transpose(1, 2).contiguous() for t in (q, k, v)]
+            sets.append((q, k, v, sdpa))
+        for causal in (False, True):
+            window = (-1, 0) if causal else (-1, -1)
+            flops = batch * 4 * seq * seq * head_dim * heads * (0.5 if causal else 1.0)
+            ours = [lambda s=s: jitattn.varlen_attn(s[0], s[1], s[2], cu_seq, cu_seq, seq, seq, window_size=window)
+                    for s in sets]
+            kw = torch_window_kwargs(params, causal)
+            theirs = ([lambda s=s: fn(s[0], s[1], s[2], cu_seq, cu_seq, seq, seq, **kw) for s in sets]
+                      if fn is not None and kw is not None else [])
+            sdpa = [lambda s=s: F.scaled_dot_product_attention(*s[3], is_causal=causal) for s in sets]
+            sanity(ours[0](), lambda: sdpa[0]().transpose(1, 2).reshape(tokens, heads, head_dim),
+                   f"prefill d{head_dim} causal={causal} vs SDPA")
+            t_ours = timed(ours, args, "jitattn")
+            t_torch = timed(theirs, args, "torch varlen_attn")
+            t_sdpa = timed(sdpa, args, "SDPA")
+            tf = [None if t is None else flops / t / 1e6 for t in (t_ours, t_torch, t_sdpa)]
+            print(f"| {head_dim} | {heads} | {causal} | {fmt(t_ours)} | {fmt(tf[0])} | {fmt(tf[1])} | {fmt(tf[2])} "
+                  f"| {ratio(t_ours, t_torch)} | {ratio(t_ours, t_sdpa)} |", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- (b) paged decode
+def bench_decode(args):
+    batch, kv_len, h_q, h_kv, head_dim, page = 64, 4096, 32, 8, 128, 16
+    pages_per_seq = kv_len // page
+    total_pages = batch * pages_per_seq
+    fn, params = torch_varlen()
+    gqa = sdpa_has_enable_gqa()
+    kv_bytes = 2 * batch * kv_len * h_kv * head_dim * 2
+    io_bytes = kv_bytes + 2 * batch * h_q * head_dim * 2  # K+V pages, q, out
+    cu_q = cu([1] * batch)
+    seqused = torch.full((batch,), kv_len, dtype=torch.int32, device="cuda")
+    sets = []
+    for _ in range(sets_needed(kv_bytes)):
+        table = torch.randperm(total_pages, device="cuda").to(torch.int32).view(batch, pages_per_seq)
+        q = torch.randn(batch, h_q, head_dim, device="cuda", dtype=BF16)
+        k_dense = torch.randn(batch, kv_len, h_kv, head_dim, device="cuda", dtype=BF16)
+        v_dense = torch.randn(batch, kv_len, h_kv, head_dim, device="cuda", dtype=BF16)
+        k_pool = torch.empty(total_pages, page, h_kv, head_dim, device="cuda", dtype=BF16)
+        v_pool = torch.empty_like(k_pool)
+        k_pool[table.view(-1).long()] = k_dense.view(-1, page, h_kv, head_dim)
+        v_pool[table.view(-1).long()] = v_dense.view(-1, page, h_kv, head_dim)
+        ks, vs = (t.permute(0, 2, 1, 3).contiguous() for t in (k_dense, v_dense))  # (B, H_kv, L, D)
+        del k_dense, v_dense
+        if not gqa:  # repeat the KV heads here, outside the timing
+            ks, vs = ks.repeat_interleave(h_q // h_kv, dim=1), vs.repeat_interleave(h_q // h_kv, dim=1)
+        sets.append((q, k_pool, v_pool, table, q.view(batch, h_q, 1, head_dim), ks, vs))
+
+    def ours(s, splits):
+        return jitattn.varlen_attn(s[0], s[1], s[2], cu_q, None, 1, kv_len, enable_gqa=True, seqused_k=seqused,
+                                   block_table=s[3], num_splits=splits)
+
+    sdpa_kw = {"enable_gqa": True} if gqa else {}
+    sdpa = [lambda s=s: F.scaled_dot_product_attention(s[4], s[5], s[6], **sdpa_kw) for s in sets]
+    sanity(ours(sets[0], None), lambda: sdpa[0]().view(batch, h_q, head_dim), "paged decode vs SDPA")
+    rows = [("jitattn (num_splits=None)", timed([lambda s=s: ours(s, None) for s in sets], args, "jitattn"))]
+    rows.append(("jitattn (num_splits=1)", timed([lambda s=s: ours(s, 1) for s in sets], args, "jitattn splits=1")))
+    if fn is not None and "block_table" in params:
+        theirs = [lambda s=s: fn(s[0], s[1], s[2], cu_q, None, 1, kv_len, enable_gqa=True, seqused_k=seqused,
+                                 block_table=s[3]) for s in sets]
+        rows.append(("torch varlen_attn (paged)", timed(theirs, args, "torch varlen_attn")))
+    else:
+        rows.append(("torch varlen_attn (paged)", None))
+    rows.append((f"SDPA dense ({'enable_gqa' if gqa else 'KV repeated'})", timed(sdpa, args, "SDPA")))
+    print(f"\n### paged decode: bf16 D{head_dim}, {batch} x {kv_len} keys, {h_q}/{h_kv} heads, page {page}, "
+          f"max_q=1\n")
+    print("| implementation | us | TB/s | jitattn speedup |")
+    print("|---|---:|---:|---:|")
+    base = rows[0][1]
+    for name, t in rows:
+        tbs = None if t is None else io_bytes / t / 1e6
+        print(f"| {name} | {fmt(t)} | {fmt(tbs, '.2f')} | {ratio(base, t)} |", flush=True)
+    del sets
+    torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- (c) skewed batch
+def bench_skewed(args):
+    lengths = [128 << i for i in range(8)]  # 128 .. 16384
+    heads, head_dim = 16, 128
+    tokens = sum(lengths)
+    flops = sum(2 * n * n * head_dim * heads for n in lengths)  # causal: half of 4*T^2*D*H
+    fn, params = torch_varlen()
+    kw = torch_window_kwargs(params, True)
+    order = [3, 7, 0, 5, 1, 6, 2, 4]  # mixed order, as a scheduler would pack them
+    lengths = [lengths[i] for i in order]
+    cu_seq, longest = cu(lengths), max(lengths)
+    sets = []
+    for _ in range(sets_needed(4 * tokens * heads * head_dim * 2)):
+        sets.append(tuple(torch.randn(tokens, heads, head_dim, device="cuda", dtype=BF16) for _ in range(3)))
+    ours = [lambda s=s: jitattn.varlen_attn(*s, cu_seq, cu_seq, longest, longest, window_size=(-1, 0)) for s in sets]
+    theirs = ([lambda s=s: fn(*s, cu_seq, cu_seq, longest, longest, **kw) for s in sets]
+              if fn is not None and kw is not None else [])
+    if theirs:
+        sanity(ours[0](), theirs[0], "skewed vs torch varlen_attn")
+    t_ours, t_torch = timed(ours, args, "jitattn"), timed(theirs, args, "torch varlen_attn")
+    print(f"\n### skewed batch: causal bf16 D{head_dim}, {heads} heads, lengths {sorted(lengths)}\n")
+    print("| implementation | us | TFLOP/s | jitattn speedup |")
+    print("|---|---:|---:|---:|")
+    for name, t in (("jitattn", t_ours), ("torch varlen_attn", t_torch)):
+        print(f"| {name} | {fmt(t)} | {fmt(None if t is None else flops / t / 1e6)} | {ratio(t_ours, t)} |", flush=True)
+    del sets
+    torch.cuda.empty_cache()
+
+
+PARTS = {"prefill": bench_prefill, "decode": bench_decode, "skewed": bench_skewed}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer timed calls (10 instead of 30)")
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
+    args = parser.parse_args()
+    args.warmup, args.reps = (3, 10) if args.quick else (5, 30)
+    fn, params = torch_varlen()
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
+          f"torch varlen_attn: {'-' if fn is None else '(' + ', '.join(sorted(params)) + ')'}  "
+          f"median of {args.reps} calls after {args.warmup} warm-up, cold L2")
+    for part in args.parts:
+        PARTS[part](args)
+
+
+if __name__ == "__main__":
+    main()

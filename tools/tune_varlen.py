@@ -1,0 +1,61 @@
+"""Tile-shape sweep for the varlen kernels: a tuning aid, not a benchmark of record.
+
+On a GPU machine with the JIT enabled: `python tools/tune_varlen.py build` compiles every
+variant below in parallel, then `python tools/tune_varlen.py` times each on the bench shapes
+(TFLOP/s for prefill, TB/s for paged decode) beside torch's varlen_attn. The winners become
+VarlenSpec.default_tile.
+"""
+import json, subprocess, sys, torch
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+import jitattn, jitattn.varlen as V
+from jitattn._kernel import LoadedKernel
+from jitattn.jit.loader import get_module
+from jitattn.jit.spec import VarlenSpec
+from torch.nn.attention import varlen as tv
+
+PREFILL = {64: [(4,2,64,2),(4,2,64,3),(8,1,64,2),(4,2,32,2),(4,1,64,2)],
+           128: [(4,2,64,2),(4,2,32,2),(4,2,32,3),(8,1,64,2),(4,1,64,2),(4,2,64,3)],
+           256: [(8,1,32,2),(4,1,32,2),(4,1,64,2),(8,1,32,3),(8,1,64,2)]}
+DECODE = [(1,1,64,3),(1,1,64,2),(1,1,64,4),(1,1,128,2)]
+specs = [VarlenSpec(d, "bfloat16", False, False, *t) for d, ts in PREFILL.items() for t in ts]
+specs += [VarlenSpec(128, "bfloat16", True, True, *t) for t in DECODE]
+if sys.argv[1:] == ["build"]:
+    cmd = [sys.executable, "-m", "jitattn", "prewarm", "-j", "16", "--arch", "9.0"]
+    for s in specs: cmd += ["--spec", json.dumps(s.to_dict())]
+    subprocess.run(cmd, check=True); sys.exit()
+
+def bench(fn, n=15):
+    for _ in range(3): fn()
+    torch.cuda.synchronize(); es=[]
+    for _ in range(n):
+        a=torch.cuda.Event(True); b=torch.cuda.Event(True); a.record(); fn(); b.record(); torch.cuda.synchronize(); es.append(a.elapsed_time(b))
+    es.sort(); return es[len(es)//2]
+def use(spec):
+    V._kernels[(spec.head_dim, torch.bfloat16, spec.paged, spec.decode)] = (LoadedKernel(get_module(spec)), spec.block_m, spec.block_n)
+for d, ts in PREFILL.items():
+    h=2048//d; B=8; L=4096
+    cq = torch.arange(0, (B + 1) * L, L, dtype=torch.int32, device="cuda")
+    q = torch.randn(B*L, h, d, device="cuda", dtype=torch.bfloat16); k=torch.randn_like(q); v=torch.randn_like(q)
+    for causal in (True, False):
+        w = (-1,0) if causal else (-1,-1)
+        flops = 4*L*L*d*h*B/(2 if causal else 1)
+        t = bench(lambda: tv.varlen_attn(q,k,v,cq,cq,L,L,window_size=w))
+        line = [f"d{d} causal={int(causal)} torch {flops/t/1e9:.0f}"]
+        for tile in ts:
+            use(VarlenSpec(d, "bfloat16", False, False, *tile))
+            t = bench(lambda: jitattn.varlen_attn(q,k,v,cq,cq,L,L,window_size=w))
+            line.append(f"{tile}:{flops/t/1e9:.0f}")
+        print(" | ".join(line), flush=True)
+B=64; L=4096; ps=16; hq,hkv,d=32,8,128
+tot=B*L//ps
+pk=torch.randn(tot, ps, hkv, d, device="cuda", dtype=torch.bfloat16); pv=torch.randn_like(pk)
+table=torch.randperm(tot, device="cuda").to(torch.int32).view(B, L//ps)
+used=torch.full((B,),L,dtype=torch.int32,device="cuda"); cq=torch.arange(B+1,dtype=torch.int32,device="cuda")
+q=torch.randn(B,hq,d,device="cuda",dtype=torch.bfloat16)
+line=["paged decode TB/s"]
+for tile in DECODE:
+    use(VarlenSpec(128, "bfloat16", True, True, *tile))
+    for ns in (None, 2):
+        t=bench(lambda: jitattn.varlen_attn(q,pk,pv,cq,None,1,L,enable_gqa=True,seqused_k=used,block_table=table, num_splits=ns))
+        line.append(f"{tile} s{ns}:{2*pk.numel()*2/t/1e9:.2f}")
+print(" | ".join(line))
