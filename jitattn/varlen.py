@@ -6,7 +6,8 @@ plan (which tile shape, how many KV splits).
 
 Eager calls skip the torch.library dispatcher (its Python custom-op path costs more than the
 whole launch); under torch.compile the public functions call the registered ops instead, which
-the compiler treats as opaque and shapes through their fake kernels.
+the compiler treats as opaque and shapes through their fake kernels, and calls that autograd
+must record (an input requires grad) go through the op too, as it carries the backward formula.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from jitattn._kernel import LoadedKernel
 from jitattn.jit import env
 from jitattn.jit.loader import get_module
 from jitattn.jit.spec import VarlenSpec
+from jitattn.varlen_backward import OUT_NOT_DIFFERENTIABLE, check_differentiable, needs_grad
 from jitattn.varlen_checks import AuxRequest, check_varlen_args, check_varlen_values
 
 __all__ = ["AuxRequest", "varlen_attn", "varlen_attn_out"]
@@ -56,12 +58,17 @@ def varlen_attn(
     out (T_q, H_q, D) in query's dtype, or (out, lse) with return_aux=AuxRequest(lse=True), lse
     (H_q, T_q) float32 natural log. Windows are (left, right), bottom-right aligned; -1 is
     unbounded. num_splits=1 makes a sequence's result independent of the rest of the batch.
+    Differentiable (query, key, value) unless paged (jitattn/varlen_backward.py).
     """
     want_lse = return_aux is not None and getattr(return_aux, "lse", False) is True
-    if torch.compiler.is_compiling():
+    grad = needs_grad(query, key, value)
+    if grad or torch.compiler.is_compiling():
+        # The op carries the autograd formula, which needs the lse: asked for whenever grad is.
+        if grad:
+            check_differentiable(block_table)
         out, lse = torch.ops.jitattn.varlen_attn(
             query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, list(window_size), enable_gqa,
-            seqused_k, block_table, num_splits, want_lse)
+            seqused_k, block_table, num_splits, want_lse or grad)
     else:
         out, lse = forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
                            window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
@@ -89,9 +96,11 @@ def varlen_attn_out(
 ):
     """varlen_attn writing into `out` (T_q, H_q, D), query's dtype and device; returns `out`, or
     (out, lse) with return_aux=AuxRequest(lse=True). Rows of `out` outside every sequence are
-    left as they were."""
+    left as they were. Not differentiable (as torch's): raises RuntimeError if grad is needed."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor of query's shape (T_q, H_q, D), got {type(out).__name__}")
+    if needs_grad(out, query, key, value):
+        raise RuntimeError(OUT_NOT_DIFFERENTIABLE)
     want_lse = return_aux is not None and getattr(return_aux, "lse", False) is True
     if torch.compiler.is_compiling():
         lse = torch.ops.jitattn.varlen_attn_out(
