@@ -115,6 +115,10 @@ def check_varlen_args(
         raise ValueError(f"key and value must have the same shape, got key {tuple(key.shape)} "
                          f"and value {tuple(value.shape)}")
     total_q, num_heads_q, head_dim = query.shape
+    # Kernels index tokens and pages with 32-bit ints.
+    for name, rows, what in (("query", total_q, "T_q"), ("key", key.shape[0], "total_pages" if paged else "T_k")):
+        if rows >= 2**31:
+            raise ValueError(f"{name} has {rows} rows ({what}); at most 2**31 - 1 are supported")
     num_heads_kv = key.shape[-2]
     for name, t in (("key", key), ("value", value)):
         if t.shape[-1] != head_dim:

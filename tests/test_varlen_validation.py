@@ -114,6 +114,7 @@ INVALID = [
     ("enable-gqa-int", {"enable_gqa": 1}, TypeError, ["enable_gqa", "bool"]),
     ("enable-gqa-none", {"enable_gqa": None}, TypeError, ["enable_gqa", "bool"]),
     ("page-size-0", {**P, "key": t(3, 0, 4, 64), "value": t(3, 0, 4, 64)}, ValueError, ["page_size"]),
+    ("page-size-12", {**P, "key": t(3, 12, 4, 64), "value": t(3, 12, 4, 64)}, ValueError, ["page_size", "power of two"]),
     # -- batch metadata
     ("cu-seq-q-one-entry", {"cu_seq_q": lambda: i32(0), "cu_seq_k": lambda: i32(0)}, ValueError,
      ["cu_seq_q", "N+1 >= 2"]),
@@ -450,3 +451,19 @@ def test_public_aux_request_is_exported():
 
     assert jitattn.AuxRequest is AuxRequest
     assert jitattn.AuxRequest(lse=True).lse is True and jitattn.AuxRequest().lse is False
+
+
+@pytest.mark.parametrize("name", ["query", "key"])
+def test_2_31_rows_are_rejected_before_any_launch(name):
+    """Kernels index tokens with 32-bit ints: 2**31 rows (an expanded view, no memory) is a
+    ValueError naming the tensor, from the checks and from the public function."""
+    import jitattn
+
+    args = base()
+    big = torch.zeros(1, *args[name].shape[1:], dtype=args[name].dtype).expand(2**31, *args[name].shape[1:])
+    args[name] = big
+    if name == "key":
+        args["value"] = big
+    for fn in (lambda: check_varlen_args(**args), lambda: jitattn.varlen_attn(**args)):
+        with pytest.raises(ValueError, match=rf"{name} has 2147483648 rows"):
+            fn()

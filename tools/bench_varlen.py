@@ -10,9 +10,10 @@ the same run.
     (64,32,1,D) x (64,8,4096,D); torch's varlen_attn too where it takes block_table.
 (c) skewed batch: causal bf16 D128 16 heads, lengths 128..16384 doubling (8 sequences);
     TFLOP/s vs torch's varlen_attn.
+(d) host time per call of a tiny call (wall time over 10,000 calls), beside torch's.
 CUDA-event timing of device time (host time hidden), warm-up, cold L2 (each timed call reads a
 different input set, the sets together >= 256 MB), median of the timed calls.
-Run: python tools/bench_varlen.py [--quick] [--parts prefill decode skewed]
+Run: python tools/bench_varlen.py [--quick] [--parts prefill decode skewed host]
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repo, when jitattn is not installed
 import jitattn  # noqa: E402
-from bench_util import sets_needed, time_us  # noqa: E402
+from bench_util import host_us_per_call, sets_needed, time_us  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -222,7 +223,29 @@ def bench_skewed(args):
     torch.cuda.empty_cache()
 
 
-PARTS = {"prefill": bench_prefill, "decode": bench_decode, "skewed": bench_skewed}
+def bench_host(args):
+    """Host time per call of a tiny call (2 sequences, 16 keys, decode-shaped and prefill-shaped):
+    wall time over 10,000 calls / count, beside torch's varlen_attn on the same call."""
+    fn, params = torch_varlen()
+    kw = torch_window_kwargs(params, True)
+    print("\n### host time per call: 2 sequences x 16 keys, bf16 D128, 10,000 calls\n")
+    print("| call | jitattn us | torch varlen_attn us |")
+    print("|---|---:|---:|")
+    for name, lq in (("decode-shaped (max_q=1, 32/8 heads)", 1), ("prefill-shaped (16 queries, causal)", 16)):
+        heads_q, heads_kv = (32, 8) if lq == 1 else (8, 8)
+        cu_q, cu_k = cu([lq, lq]), cu([16, 16])
+        q = torch.randn(2 * lq, heads_q, 128, device="cuda", dtype=BF16)
+        k = torch.randn(32, heads_kv, 128, device="cuda", dtype=BF16)
+        v = torch.randn_like(k)
+        ours = host_us_per_call(lambda: jitattn.varlen_attn(q, k, v, cu_q, cu_k, lq, 16, window_size=(-1, 0),
+                                                             enable_gqa=heads_q != heads_kv))
+        theirs = None
+        if fn is not None and kw is not None and heads_q == heads_kv:
+            theirs = host_us_per_call(lambda: fn(q, k, v, cu_q, cu_k, lq, 16, **kw))
+        print(f"| {name} | {ours:.1f} | {fmt(theirs)} |", flush=True)
+
+
+PARTS = {"prefill": bench_prefill, "decode": bench_decode, "skewed": bench_skewed, "host": bench_host}
 
 
 def main():
