@@ -45,3 +45,49 @@ def test_decode_inputs_on_different_devices_are_rejected():
     q, k, v = inputs(torch.device("cuda", 0), seed=1)
     with pytest.raises(ValueError, match="k is on cuda:1"):
         jitattn.single_decode_with_kv_cache(q, k.to("cuda:1"), v)
+
+
+def varlen_inputs(device, seed, paged):
+    """A GQA batch (32/8 heads, D128 bf16) of 3 sequences; paged: a permuted 16-row page pool."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    lens_q, lens_k = [7, 1, 300], [900, 33, 300]
+    cu_q = torch.tensor([0, 7, 8, 308], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 900, 933, 1233], dtype=torch.int32, device=device)
+    q = torch.randn(sum(lens_q), 32, 128, device=device, dtype=torch.bfloat16, generator=g)
+    if not paged:
+        k = torch.randn(sum(lens_k), 8, 128, device=device, dtype=torch.bfloat16, generator=g)
+        return dict(query=q, key=k, value=torch.randn_like(k), cu_seq_q=cu_q, cu_seq_k=cu_k, max_q=300, max_k=900)
+    pages = 3 * 57  # 57 pages of 16 hold 900 keys
+    k = torch.randn(pages, 16, 8, 128, device=device, dtype=torch.bfloat16, generator=g)
+    table = torch.randperm(pages, device=device, generator=g).to(torch.int32).view(3, 57)
+    used = torch.tensor(lens_k, dtype=torch.int32, device=device)
+    return dict(query=q, key=k, value=torch.randn_like(k), cu_seq_q=cu_q, cu_seq_k=None, max_q=300, max_k=900,
+                seqused_k=used, block_table=table)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_varlen_runs_on_the_inputs_device_and_its_current_stream(paged):
+    from jitattn.reference import varlen_attn_reference
+
+    count = torch.cuda.device_count()
+    for index in range(count):
+        device = torch.device("cuda", index)
+        other = (index + 1) % count
+        args = varlen_inputs(device, seed=index, paged=paged)
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.device(other), torch.cuda.stream(stream):
+            out, lse = jitattn.varlen_attn(**args, window_size=(-1, 0), enable_gqa=True,
+                                           return_aux=jitattn.AuxRequest(lse=True))
+        stream.synchronize()
+        assert out.device == device and lse.device == device
+        ref_out, ref_lse = varlen_attn_reference(**args, window_size=(-1, 0), enable_gqa=True)
+        assert_close(out, ref_out, 2e-2, 8e-2, f"varlen cuda:{index} with cuda:{other} current")
+        assert_close(lse, ref_lse, 1e-4, 2e-3, f"varlen cuda:{index} lse")
+
+
+def test_varlen_inputs_on_different_devices_are_rejected():
+    args = varlen_inputs(torch.device("cuda", 0), seed=2, paged=False)
+    args["key"] = args["key"].to("cuda:1")
+    with pytest.raises(ValueError, match="key is on cuda:1"):
+        jitattn.varlen_attn(**args, enable_gqa=True)
