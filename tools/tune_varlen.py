@@ -13,8 +13,8 @@ from jitattn.jit.loader import get_module
 from jitattn.jit.spec import VarlenSpec
 from torch.nn.attention import varlen as tv
 
-PREFILL = {64: [(4,2,64,2),(4,2,64,3),(8,1,64,2),(4,2,32,2),(4,1,64,2)],
-           128: [(4,2,64,2),(4,2,32,2),(8,1,64,2),(8,1,64,3),(4,1,64,2)],
+PREFILL = {64: [(4,2,64,2),(4,2,64,3),(8,1,64,2),(4,2,32,2)],
+           128: [(4,2,64,2),(4,2,32,2),(4,2,32,3),(8,1,64,2)],
            256: [(8,1,64,2),(8,1,32,2),(8,1,32,3),(4,1,32,2)]}
 DECODE = [(1,1,64,3),(1,1,64,2),(1,1,64,4)]
 specs = [VarlenSpec(d, "bfloat16", False, False, *t) for d, ts in PREFILL.items() for t in ts]

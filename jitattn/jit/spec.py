@@ -112,9 +112,10 @@ class VarlenSpec(KernelSpec):
     @staticmethod
     def default_tile(head_dim: int, decode: bool) -> tuple[int, int, int, int]:
         """(warps_m, m_tiles, block_n, stages), from the tools/tune_varlen.py sweep on the H200:
-        prefill bf16 8x4k, head_dim 64/128 best at 4 warps x 32 rows x 64 keys (the other shapes
-        tried were 2-10% slower), 256 at 8 warps x 16 rows x 64 keys (+13% over 32 keys);
-        paged decode best at 64 keys x 3 stages (4 stages leave one CTA per SM: -37%)."""
+        prefill bf16 8x4k, head_dim 64/128 best at 4 warps x 32 rows x 64 keys (D128: 32-key
+        tiles within 3%, 8 warps x 16 rows 5-10% slower), 256 at 8 warps x 16 rows x 64 keys
+        (+13% over 32 keys); paged decode best at 64 keys x 3 stages (4 stages leave one CTA per
+        SM: -37%)."""
         if decode:
             return (1, 1, 64, 3 if head_dim <= 128 else 2)
         return (4, 2, 64, 2) if head_dim <= 128 else (8, 1, 64, 2)
