@@ -2,6 +2,7 @@
 
 On a GPU machine with the JIT enabled: `python tools/tune_varlen.py build` compiles every
 variant below in parallel, then `python tools/tune_varlen.py` times each on the bench shapes
+(`--defaults` with both: only the current default shapes, to A/B a kernel change)
 (TFLOP/s for prefill, TB/s for paged decode) beside torch's varlen_attn. The winners become
 VarlenSpec.default_tile.
 """
@@ -17,6 +18,10 @@ PREFILL = {64: [(4,2,64,2),(4,2,64,3),(8,1,64,2),(4,2,32,2)],
            128: [(4,2,64,2),(4,2,32,2),(4,2,32,3),(8,1,64,2)],
            256: [(8,1,64,2),(8,1,32,2),(8,1,32,3),(4,1,32,2)]}
 DECODE = [(1,1,64,3),(1,1,64,2),(1,1,64,4)]
+if "--defaults" in sys.argv:  # only the tuned default shapes (quick A/B of a kernel change)
+    sys.argv.remove("--defaults")
+    PREFILL = {d: [VarlenSpec.default_tile(d, False)] for d in PREFILL}
+    DECODE = [VarlenSpec.default_tile(128, True)]
 specs = [VarlenSpec(d, "bfloat16", False, False, *t) for d, ts in PREFILL.items() for t in ts]
 specs += [VarlenSpec(128, "bfloat16", True, True, *t) for t in DECODE]
 if sys.argv[1:] == ["build"]:
