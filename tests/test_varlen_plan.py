@@ -1,0 +1,144 @@
+"""How varlen_attn plans a launch (jitattn/varlen.py), on CPU: which specialization (tile shape),
+GQA packing, row blocks, KV splits and arguments reach the kernel. The module and the device
+are stand-ins that record the launch; the kernels themselves are tested on the GPU."""
+import math
+import types
+
+import pytest
+import torch
+
+import jitattn.varlen as varlen
+from jitattn import _checks
+from jitattn.jit.spec import VarlenSpec
+
+SMS, CTAS_PER_SM = 132, 2
+HALF_WAVE = SMS * CTAS_PER_SM // 2
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every launch as (spec, run args); CPU tensors pass the CUDA-device check."""
+    recorded = []
+
+    def fake_get_module(spec):
+        def run(*args):  # like the binding: writes into `out` when given, else allocates
+            recorded.append((spec, args))
+            q, out, want_lse = args[0], args[7], args[-1]
+            return (torch.empty_like(q) if out is None else out), torch.empty(q.shape[1] if want_lse else 0, q.shape[0])
+
+        ops = types.SimpleNamespace(run=types.SimpleNamespace(default=run),
+                                    ctas_per_sm=types.SimpleNamespace(default=lambda device: CTAS_PER_SM))
+        return types.SimpleNamespace(ops=ops)
+
+    monkeypatch.setattr(varlen, "get_module", fake_get_module)
+    monkeypatch.setattr(varlen, "_kernels", {})
+    monkeypatch.setattr(_checks, "cuda_device", lambda named: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: types.SimpleNamespace(multi_processor_count=SMS))
+    monkeypatch.delenv("JITATTN_DEBUG", raising=False)
+    return recorded
+
+
+def batch(len_q, len_k, h_q=32, h_kv=8, d=128, dtype=torch.bfloat16):
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.zeros(sum(len_q), h_q, d, dtype=dtype)
+    k = torch.zeros(sum(len_k), h_kv, d, dtype=dtype)
+    return dict(query=q, key=k, value=k.clone(), cu_seq_q=cu(len_q), cu_seq_k=cu(len_k), max_q=max(len_q),
+                max_k=max(len_k), enable_gqa=h_q != h_kv)
+
+
+def launch(launches, **kwargs):
+    defaults = dict(scale=None, window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None,
+                    num_splits=None, return_aux=None)
+    varlen.forward(**{**defaults, **kwargs})
+    spec, args = launches[-1]
+    names = ("q", "k", "v", "cu_q", "cu_k", "used", "table", "out", "bad_page", "pack", "m_blocks", "splits",
+             "left", "right", "scale_log2", "want_lse")
+    return spec, dict(zip(names, args))
+
+
+def test_decode_batches_take_the_16_row_shape_with_the_group_packed(launches):
+    spec, run = launch(launches, **batch([1] * 64, [4096] * 64))  # 32/8 heads: 4 query rows per KV head
+    assert spec == VarlenSpec(128, "bfloat16", paged=False, decode=True)
+    assert run["pack"] == 4 and run["m_blocks"] == 1
+    assert run["splits"] == 1  # 64 sequences x 8 KV heads = 512 CTAs: more than half a wave
+
+
+def test_a_small_decode_batch_splits_the_keys_to_fill_half_a_wave(launches):
+    _, run = launch(launches, **batch([1, 1], [32768, 100]))  # 2 x 8 = 16 CTAs
+    assert run["splits"] == HALF_WAVE // 16
+
+
+def test_splits_never_make_chunks_shorter_than_two_tiles(launches):
+    _, run = launch(launches, **batch([1], [300]))  # 8 CTAs; 300 keys are 5 tiles of 64
+    assert run["splits"] == math.ceil(300 / (64 * varlen.MIN_SPLIT_TILES)) == 3
+
+
+def test_prefill_batches_take_the_prefill_shape_and_never_split(launches):
+    spec, run = launch(launches, **batch([4096] * 8, [4096] * 8, h_q=16, h_kv=16), window_size=(-1, 0))
+    assert spec == VarlenSpec(128, "bfloat16", paged=False, decode=False)
+    assert run["pack"] == 1 and run["m_blocks"] == 4096 // spec.block_m
+    assert run["splits"] == 1 and (run["left"], run["right"]) == (-1, 0)
+
+
+def test_gqa_prefill_packs_the_group_into_the_rows(launches):
+    spec, run = launch(launches, **batch([100, 7], [100, 300], h_q=32, h_kv=4))  # group of 8
+    assert not spec.decode and run["pack"] == 8
+    assert run["m_blocks"] == math.ceil(100 * 8 / spec.block_m)
+
+
+def test_one_split_always_takes_the_prefill_shape_so_results_do_not_depend_on_the_batch(launches):
+    for len_q in ([1, 1], [1, 300]):  # a decode batch, and the same first sequence in a prefill batch
+        spec, run = launch(launches, **batch(len_q, [5000, 300]), num_splits=1)
+        assert spec.decode is False and run["splits"] == 1 and run["pack"] == 4
+
+
+def test_explicit_splits_are_kept_up_to_the_kernel_limit(launches):
+    assert launch(launches, **batch([1], [9000]), num_splits=3)[1]["splits"] == 3
+    assert launch(launches, **batch([1], [9000]), num_splits=1000)[1]["splits"] == varlen.MAX_SPLITS
+
+
+def test_paged_batches_take_the_paged_specialization(launches):
+    args = batch([1, 1], [100, 100])
+    pool = torch.zeros(20, 16, 8, 128, dtype=torch.bfloat16)
+    args.update(key=pool, value=pool.clone(), cu_seq_k=None,
+                seqused_k=torch.tensor([100, 37], dtype=torch.int32),
+                block_table=torch.arange(14, dtype=torch.int32).view(2, 7))
+    spec, run = launch(launches, **args)
+    assert spec == VarlenSpec(128, "bfloat16", paged=True, decode=True)
+    assert run["table"] is args["block_table"] and run["used"] is args["seqused_k"]
+
+
+def test_scale_window_and_lse_reach_the_kernel(launches):
+    _, run = launch(launches, **batch([20], [50]), scale=0.25, window_size=(7, 3),
+                    return_aux=varlen.AuxRequest(lse=True))
+    assert run["scale_log2"] == pytest.approx(0.25 * varlen.LOG2E)
+    assert (run["left"], run["right"], run["want_lse"]) == (7, 3, True)
+    _, run = launch(launches, **batch([20], [50], d=64))
+    assert run["scale_log2"] == pytest.approx(varlen.LOG2E / 8) and run["want_lse"] is False
+
+
+def test_an_out_the_kernel_cannot_write_in_place_gets_the_result_copied_in(launches):
+    args = batch([3, 5], [10, 10], h_q=8, h_kv=8)
+    aligned = torch.full((8, 8, 128), float("nan"), dtype=torch.bfloat16)
+    result, _ = varlen.forward(**args, scale=None, window_size=(-1, -1), seqused_k=None, block_table=None,
+                               num_splits=None, return_aux=None, out=aligned)
+    assert result is aligned and launches[-1][1][7] is aligned  # written in place
+    backing = torch.full((8, 8, 129), float("nan"), dtype=torch.bfloat16)
+    strided = backing[:, :, 1:]  # rows start 2 bytes into 16-byte vectors
+    result, _ = varlen.forward(**args, scale=None, window_size=(-1, -1), seqused_k=None, block_table=None,
+                               num_splits=None, return_aux=None, out=strided)
+    assert result is strided and launches[-1][1][7] is None  # the kernel allocated; copied into out
+
+
+def test_loaded_kernels_are_memoized_per_shape(launches):
+    calls = []
+    original = varlen.get_module
+    varlen.get_module = lambda spec: calls.append(spec) or original(spec)
+    try:
+        for _ in range(3):
+            launch(launches, **batch([1], [100]))
+        launch(launches, **batch([500], [500]))
+    finally:
+        varlen.get_module = original
+    assert [s.decode for s in calls] == [True, False]
