@@ -21,24 +21,32 @@ def inputs(device, seed, num_qo=32, num_kv=8, kv_len=5000, head_dim=128):
     return q, k, v
 
 
-@pytest.mark.parametrize("tensor_cores", [False, True])
-def test_decode_runs_on_the_inputs_device_and_its_current_stream(tensor_cores):
+def run_on_each_gpu(call):
+    """For each GPU: call(device) with another GPU current and a side stream of `device` active;
+    yields (device, other index, result) once that stream has finished."""
     count = torch.cuda.device_count()
     for index in range(count):
         device = torch.device("cuda", index)
         other = (index + 1) % count
-        q, k, v = inputs(device, seed=index)
         stream = torch.cuda.Stream(device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.device(other):  # another GPU is current
-            with torch.cuda.stream(stream):  # and the inputs' device runs a side stream
-                out, lse = jitattn.single_decode_with_kv_cache(q, k, v, return_lse=True,
-                                                               use_tensor_cores=tensor_cores)
+        with torch.cuda.device(other), torch.cuda.stream(stream):
+            result = call(device)
         stream.synchronize()
+        yield device, other, result
+
+
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_decode_runs_on_the_inputs_device_and_its_current_stream(tensor_cores):
+    def call(device):
+        q, k, v = inputs(device, seed=device.index)
+        return (q, k, v), jitattn.single_decode_with_kv_cache(q, k, v, return_lse=True, use_tensor_cores=tensor_cores)
+
+    for device, other, ((q, k, v), (out, lse)) in run_on_each_gpu(call):
         assert out.device == device and lse.device == device
         ref_out, ref_lse = single_decode_reference(q, k, v)
-        assert_close(out, ref_out, 4e-3, 2e-2, f"cuda:{index} with cuda:{other} current")
-        assert_close(lse, ref_lse, 1e-4, 2e-3, f"cuda:{index} lse")
+        assert_close(out, ref_out, 4e-3, 2e-2, f"cuda:{device.index} with cuda:{other} current")
+        assert_close(lse, ref_lse, 1e-4, 2e-3, f"cuda:{device.index} lse")
 
 
 def test_decode_inputs_on_different_devices_are_rejected():
@@ -69,21 +77,16 @@ def varlen_inputs(device, seed, paged):
 def test_varlen_runs_on_the_inputs_device_and_its_current_stream(paged):
     from jitattn.reference import varlen_attn_reference
 
-    count = torch.cuda.device_count()
-    for index in range(count):
-        device = torch.device("cuda", index)
-        other = (index + 1) % count
-        args = varlen_inputs(device, seed=index, paged=paged)
-        stream = torch.cuda.Stream(device=device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.device(other), torch.cuda.stream(stream):
-            out, lse = jitattn.varlen_attn(**args, window_size=(-1, 0), enable_gqa=True,
-                                           return_aux=jitattn.AuxRequest(lse=True))
-        stream.synchronize()
+    def call(device):
+        args = varlen_inputs(device, seed=device.index, paged=paged)
+        return args, jitattn.varlen_attn(**args, window_size=(-1, 0), enable_gqa=True,
+                                         return_aux=jitattn.AuxRequest(lse=True))
+
+    for device, other, (args, (out, lse)) in run_on_each_gpu(call):
         assert out.device == device and lse.device == device
         ref_out, ref_lse = varlen_attn_reference(**args, window_size=(-1, 0), enable_gqa=True)
-        assert_close(out, ref_out, 2e-2, 8e-2, f"varlen cuda:{index} with cuda:{other} current")
-        assert_close(lse, ref_lse, 1e-4, 2e-3, f"varlen cuda:{index} lse")
+        assert_close(out, ref_out, 2e-2, 8e-2, f"varlen cuda:{device.index} with cuda:{other} current")
+        assert_close(lse, ref_lse, 1e-4, 2e-3, f"varlen cuda:{device.index} lse")
 
 
 def test_varlen_inputs_on_different_devices_are_rejected():
