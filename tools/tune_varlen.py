@@ -14,9 +14,9 @@ from jitattn.jit.loader import get_module
 from jitattn.jit.spec import VarlenSpec
 from torch.nn.attention import varlen as tv
 
-PREFILL = {64: [(4,2,64,2),(4,2,64,3),(8,1,64,2),(4,2,32,2)],
-           128: [(4,2,64,2),(4,2,32,2),(4,2,32,3),(8,1,64,2)],
-           256: [(8,1,64,2),(8,1,32,2),(8,1,32,3),(4,1,32,2)]}
+PREFILL = {64: [(4,2,64,2),(4,2,64,3),(8,1,64,2),(4,2,32,2),(4,2,128,2)],
+           128: [(4,2,64,2),(4,2,32,2),(4,2,32,3),(8,1,64,2),(4,1,64,2),(8,2,64,2)],
+           256: [(8,1,64,2),(8,1,32,2),(8,1,32,3),(4,1,32,2),(4,1,64,2)]}
 DECODE = [(1,1,64,3),(1,1,64,2),(1,1,64,4)]
 if "--defaults" in sys.argv:  # only the tuned default shapes (quick A/B of a kernel change)
     sys.argv.remove("--defaults")
@@ -25,7 +25,7 @@ if "--defaults" in sys.argv:  # only the tuned default shapes (quick A/B of a ke
 specs = [VarlenSpec(d, "bfloat16", False, False, *t) for d, ts in PREFILL.items() for t in ts]
 specs += [VarlenSpec(128, "bfloat16", True, True, *t) for t in DECODE]
 if sys.argv[1:] == ["build"]:
-    cmd = [sys.executable, "-m", "jitattn", "prewarm", "-j", "16", "--arch", "9.0"]
+    cmd = [sys.executable, "-m", "jitattn", "prewarm", "-j", str(__import__("os").cpu_count()), "--arch", "9.0"]
     for s in specs: cmd += ["--spec", json.dumps(s.to_dict())]
     subprocess.run(cmd, check=True); sys.exit()
 
