@@ -110,8 +110,7 @@ def _specs_from_args(args) -> list[KernelSpec]:
         specs += [spec_from_dict(d) for d in expand(data)]
     if args.head_dim:
         for d, dt, kv, gs, cap in _cross(args):
-            specs.append(DecodeSpec(head_dim=d, dtype_q=dt, dtype_kv=kv or dt, soft_cap=cap,
-                                    group_tile=DecodeSpec.group_tile_for(gs)))
+            specs.append(DecodeSpec.for_call(d, dt, kv or dt, "NONE", cap, gs))
     elif args.dtype or args.group_size or args.kv_dtype:
         raise ValueError("decode flags need --head-dim")
     return unique(specs)

@@ -22,7 +22,7 @@ LAYOUTS = ("NHD", "HND")
 POS_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 
 _KV_DOC = "[kv_len, num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND)"
-_kernels: dict[tuple, LoadedKernel] = {}  # spec fields -> loaded kernel: the per-call fast path
+_kernels: dict[tuple, tuple] = {}  # call shape -> (kernel, group tiles, tile rows): the per-call fast path
 
 
 def single_decode_with_kv_cache(
@@ -114,21 +114,18 @@ def single_decode_with_kv_cache(
         check.cuda_device({"q": q, "k": k, "v": v})
 
     group_size = num_qo_heads // num_kv_heads
-    kv_name = check.DTYPE_NAMES[kv_dtype]
-    # Tensor cores take 16-bit K/V and head_dim a multiple of 32; otherwise (fp8 K/V, odd
-    # head_dim) use_tensor_cores=True runs the CUDA-core kernel, which gives the same results.
-    tensor_cores = use_tensor_cores and not fp8 and head_dim % 32 == 0
-    group_tile = (DecodeSpec.tensor_core_group_tile(group_size) if tensor_cores
-                  else DecodeSpec.group_tile_for(group_size, kv_name))
-    spec_fields = (head_dim, check.DTYPE_NAMES[dtype], kv_name, pos_encoding_mode, cap > 0, group_tile, tensor_cores)
-    kernel = _kernels.get(spec_fields)
-    if kernel is None:
-        kernel = _kernels[spec_fields] = LoadedKernel(get_module(DecodeSpec(*spec_fields)))
+    # The kernel for this call shape (DecodeSpec.for_call decides tensor cores and the group tile).
+    key = (head_dim, dtype, kv_dtype, pos_encoding_mode, cap > 0, group_size, use_tensor_cores)
+    entry = _kernels.get(key)
+    if entry is None:
+        spec = DecodeSpec.for_call(head_dim, check.DTYPE_NAMES[dtype], check.DTYPE_NAMES[kv_dtype], pos_encoding_mode,
+                                   cap > 0, group_size, use_tensor_cores)
+        tile = TENSOR_CORE_TILE if spec.tensor_cores else rows_per_tile(head_dim, k.element_size())
+        entry = _kernels[key] = (LoadedKernel(get_module(spec)), -(-group_size // spec.group_tile), tile)
+    kernel, group_tiles, tile = entry
 
     q, k, v = check.vector_ready(q), check.vector_ready(k), check.vector_ready(v)
     kv_begin = kv_len - 1 - window_left if 0 <= window_left < kv_len - 1 else 0
-    group_tiles = -(-group_size // group_tile)
-    tile = TENSOR_CORE_TILE if tensor_cores else rows_per_tile(head_dim, k.element_size())
     chunk_len, num_chunks = _split(kv_len - kv_begin, num_kv_heads * group_tiles, tile, kernel.capacity(device) // 2)
 
     q_factor = scale / cap if cap > 0 else scale * LOG2E

@@ -156,7 +156,7 @@ head_dim = 64
 
 def expected_cross_product():
     return [
-        DecodeSpec(head_dim=d, dtype_q=dt, dtype_kv=dt, group_tile=DecodeSpec.group_tile_for(g))
+        DecodeSpec.for_call(d, dt, dt, "NONE", False, g)
         for d in (64, 128) for dt in ("float16", "bfloat16") for g in (1, 3, 8)
     ]
 
@@ -168,6 +168,8 @@ def test_manifest_list_fields_expand_to_the_cross_product(tmp_path):
     assert specs == expected_cross_product()
     assert len(specs) == 12
     assert {s.group_tile for s in specs} == {1, 4, 8}  # group 3 rounds up to a tile of 4
+    # group 8 runs on tensor cores by default (DecodeSpec.for_call), groups 1 and 3 do not
+    assert {s.group_tile for s in specs if s.tensor_cores} == {8}
 
 
 def test_prewarm_builds_every_spec_of_a_manifest_and_of_the_flags(tmp_path, capsys, monkeypatch):
@@ -186,7 +188,9 @@ def test_prewarm_builds_every_spec_of_a_manifest_and_of_the_flags(tmp_path, caps
     code, out, err = run_cli(capsys, "prewarm", path, "--head-dim", "256", "--soft-cap", "both",
                              "--group-size", "1", "16", "--arch", "9.0")
     assert code == 0, err
-    flags = [DecodeSpec(head_dim=256, soft_cap=cap, group_tile=tile) for tile in (1, 8) for cap in (False, True)]
+    # --group-size 16 is what a call runs: the tensor-core kernel with 16 heads per CTA
+    flags = [DecodeSpec(head_dim=256, soft_cap=cap, group_tile=tile, tensor_cores=tile == 16)
+             for tile in (1, 16) for cap in (False, True)]
     assert asked == expected_cross_product() + flags
     assert f"prewarm: {len(asked)} specializations for 9.0" in out
     assert f"built 0, already cached {len(asked)}, failed 0" in out

@@ -68,8 +68,11 @@ def test_spec_from_dict_inverts_to_dict():
 
 
 def test_spec_from_dict_accepts_group_size_and_defaults_dtype_kv_to_dtype_q():
+    spec = spec_from_dict({"family": "decode", "head_dim": 128, "dtype_q": "bfloat16", "group_size": 3})
+    assert spec == DecodeSpec(head_dim=128, dtype_q="bfloat16", dtype_kv="bfloat16", group_tile=4)
+    # a group of 6 is what a call with use_tensor_cores=False runs: tensor cores (DecodeSpec.for_call)
     spec = spec_from_dict({"family": "decode", "head_dim": 128, "dtype_q": "bfloat16", "group_size": 6})
-    assert spec == DecodeSpec(head_dim=128, dtype_q="bfloat16", dtype_kv="bfloat16", group_tile=8)
+    assert spec == DecodeSpec(head_dim=128, dtype_q="bfloat16", dtype_kv="bfloat16", group_tile=8, tensor_cores=True)
     explicit = spec_from_dict({"family": "decode", "head_dim": 64, "dtype_q": "float16", "dtype_kv": "float8_e5m2"})
     assert explicit.dtype_kv == "float8_e5m2"
 
@@ -526,3 +529,21 @@ def test_varlen_names_and_keys_differ_in_every_field():
     assert VarlenSpec(head_dim=128, warps_m=4) == base  # 0 and the default tile are the same spec
     assert spec_from_dict(VarlenSpec(head_dim=96, dtype="bfloat16", paged=True).to_dict()) == \
         VarlenSpec(head_dim=96, dtype="bfloat16", paged=True)
+
+
+@pytest.mark.parametrize("group, pos, kv, head_dim, use_tc, want_tc", [
+    (1, "NONE", "float16", 128, False, False),
+    (3, "NONE", "float16", 128, False, False),
+    (4, "NONE", "float16", 128, False, True),   # large groups: tensor cores by default
+    (8, "ALIBI", "bfloat16", 64, False, True),
+    (4, "ROPE_LLAMA", "float16", 128, False, False),  # RoPE: CUDA cores unless asked
+    (4, "ROPE_LLAMA", "float16", 128, True, True),
+    (1, "NONE", "float16", 128, True, True),
+    (8, "NONE", "float8_e4m3fn", 128, True, False),  # fp8 K/V: never tensor cores
+    (8, "NONE", "float16", 48, False, False),  # head_dim not a multiple of 32
+])
+def test_for_call_picks_tensor_cores_by_the_documented_rule(group, pos, kv, head_dim, use_tc, want_tc):
+    spec = DecodeSpec.for_call(head_dim, "float16" if kv.startswith("float8") else kv, kv, pos, False, group, use_tc)
+    assert spec.tensor_cores is want_tc
+    want_tile = DecodeSpec.tensor_core_group_tile(group) if want_tc else DecodeSpec.group_tile_for(group, kv)
+    assert spec.group_tile == want_tile

@@ -26,6 +26,7 @@ VARIANTS = {
     "fp16-hnd": dict(layout="HND", kv_dtype=torch.float16, mode="NONE"),
     "fp8-e4m3": dict(layout="NHD", kv_dtype=torch.float8_e4m3fn, mode="NONE"),
     "rope": dict(layout="NHD", kv_dtype=torch.float16, mode="ROPE_LLAMA"),
+    "rope-tc": dict(layout="NHD", kv_dtype=torch.float16, mode="ROPE_LLAMA", tensor_cores=True),
     "alibi": dict(layout="NHD", kv_dtype=torch.float16, mode="ALIBI"),
 }
 HEADS = [(32, 32), (32, 8), (32, 4)]

@@ -30,7 +30,7 @@ def inputs(num_qo, num_kv, kv_len):
 def host_breakdown():
     q, k, v = inputs(32, 32, 16)
     jitattn.single_decode_with_kv_cache(q, k, v)
-    kernel = next(iter(decode._kernels.values()))
+    kernel = next(iter(decode._kernels.values()))[0]
     args = (q, k, v, False, 0, 16, 1, 32, 1, 0.1, 0.0, 1.0, 1.0, 1e4)  # see binding.cpp.j2 run()
     full = host_us_per_call(lambda: jitattn.single_decode_with_kv_cache(q, k, v))
     op_default = host_us_per_call(lambda: kernel.run(*args))
@@ -71,8 +71,8 @@ def sweep():
                 decode.MIN_CHUNK_TILES = min_tiles
                 LoadedKernel.capacity = lambda self, dev, f=factor: int(original(self, dev) * f * 2)
                 us = time_us(lambda: jitattn.single_decode_with_kv_cache(q, k, v), reps=20)
-                group = decode.DecodeSpec.group_tile_for(num_qo // num_kv)
-                capacity = LoadedKernel.capacity(next(iter(decode._kernels.values())), q.device) // 2
+                group = decode.DecodeSpec.for_call(128, "float16", "float16", "NONE", False, num_qo // num_kv).group_tile
+                capacity = LoadedKernel.capacity(next(iter(decode._kernels.values()))[0], q.device) // 2
                 chunks = decode._split(kv_len, num_kv * -(-(num_qo // num_kv) // group),
                                        decode.rows_per_tile(128, 2), capacity)[1]
                 print(f"| {num_qo}/{num_kv} L={kv_len} | {min_tiles} | {factor} | {chunks} | {us:.1f} |", flush=True)
