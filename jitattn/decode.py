@@ -47,6 +47,9 @@ def single_decode_with_kv_cache(
     q: [num_qo_heads, head_dim]; k, v: [kv_len, num_kv_heads, head_dim] ("NHD") or
     [num_kv_heads, kv_len, head_dim] ("HND"). Returns out [num_qo_heads, head_dim] in q's dtype,
     and with return_lse=True also lse [num_qo_heads] (float32, base 2).
+
+    use_tensor_cores=False still runs the tensor-core kernel for GQA groups of 4 or more without
+    RoPE, where it is faster (the rule and its measurements: DecodeSpec.for_call).
     """
     if torch.compiler.is_compiling():  # the registered op (end of this file): opaque to the compiler
         out, lse = torch.ops.jitattn.single_decode_with_kv_cache(
