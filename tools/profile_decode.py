@@ -71,10 +71,10 @@ def sweep():
                 decode.MIN_CHUNK_TILES = min_tiles
                 LoadedKernel.capacity = lambda self, dev, f=factor: int(original(self, dev) * f * 2)
                 us = time_us(lambda: jitattn.single_decode_with_kv_cache(q, k, v), reps=20)
-                group = decode.DecodeSpec.for_call(128, "float16", "float16", "NONE", False, num_qo // num_kv).group_tile
-                capacity = LoadedKernel.capacity(next(iter(decode._kernels.values()))[0], q.device) // 2
-                chunks = decode._split(kv_len, num_kv * -(-(num_qo // num_kv) // group),
-                                       decode.rows_per_tile(128, 2), capacity)[1]
+                # The split this call made, from the kernel entry it used (group tiles, tile rows).
+                key = (128, torch.float16, torch.float16, "NONE", False, num_qo // num_kv, False)
+                kernel, group_tiles, tile = decode._kernels[key]
+                chunks = decode._split(kv_len, num_kv * group_tiles, tile, kernel.capacity(q.device) // 2)[1]
                 print(f"| {num_qo}/{num_kv} L={kv_len} | {min_tiles} | {factor} | {chunks} | {us:.1f} |", flush=True)
     LoadedKernel.capacity = original
     decode.MIN_CHUNK_TILES = 2
