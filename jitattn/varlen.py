@@ -30,8 +30,17 @@ DECODE_ROWS = 16  # decode tile shape: one 16-row MMA tile; used when max_q * gr
 MAX_SPLITS = 128  # keep in sync with the template's max_splits
 MIN_SPLIT_TILES = 2  # shortest KV split, in key tiles: shorter ones cost more to merge than they gain
 
-# (head_dim, dtype, paged, decode) -> (loaded kernel, BLOCK_M, BLOCK_N): the per-call fast path
+# (head_dim, dtype, paged, decode, wgmma) -> (loaded kernel, BLOCK_M, BLOCK_N): the per-call fast path
 _kernels: dict[tuple, tuple[LoadedKernel, int, int]] = {}
+_hopper: dict[int | None, bool] = {}  # device index -> sm_90 (the wgmma kernels run there)
+
+
+def _is_hopper(device: torch.device) -> bool:
+    hopper = _hopper.get(device.index)
+    if hopper is None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        hopper = _hopper[device.index] = torch.cuda.get_device_capability(index) == (9, 0)
+    return hopper
 
 
 def varlen_attn(
@@ -128,10 +137,11 @@ def forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, windo
     # num_splits=1 always takes the prefill shape, so nothing about the rest of the batch (its
     # max_q) changes how a sequence is computed: bitwise batch invariance.
     decode = args.num_splits != 1 and max_q * group <= DECODE_ROWS
-    kernel_key = (args.head_dim, query.dtype, args.paged, decode)
+    wgmma = VarlenSpec.wgmma_fits(args.head_dim, decode) and _is_hopper(args.device) and env.wgmma_enabled()
+    kernel_key = (args.head_dim, query.dtype, args.paged, decode, wgmma)
     entry = _kernels.get(kernel_key)
     if entry is None:
-        spec = VarlenSpec(args.head_dim, check.DTYPE_NAMES[query.dtype], args.paged, decode)
+        spec = VarlenSpec(args.head_dim, check.DTYPE_NAMES[query.dtype], args.paged, decode, wgmma=wgmma)
         entry = _kernels[kernel_key] = (LoadedKernel(get_module(spec)), spec.block_m, spec.block_n)
     kernel, block_m, tile_n = entry
     m_blocks = -(-max_q * group // block_m)

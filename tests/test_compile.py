@@ -382,15 +382,18 @@ def test_cache_root_below_a_file_raises_cache_not_writable(tmp_path, monkeypatch
 
 
 def test_each_varlen_tile_shape_compiles_and_registers_its_ops(tmp_path, monkeypatch):
-    """The varlen family's two tile shapes (prefill, decode), paged and not: real nvcc builds for
-    sm_90 through the pipeline, each loaded with its run and ctas_per_sm ops."""
+    """The varlen family's tile shapes (prefill, decode, and the Hopper wgmma prefill), paged and
+    not: real nvcc builds through the pipeline (sm_90; sm_90a for wgmma), each loaded with its
+    run and ctas_per_sm ops."""
     import torch
 
     use_cache(monkeypatch, tmp_path / "cache")
     monkeypatch.setattr(loader, "_modules", {})
     for spec in (VarlenSpec(head_dim=64, dtype="bfloat16", paged=True, decode=False),
-                 VarlenSpec(head_dim=64, dtype="float16", paged=False, decode=True)):
+                 VarlenSpec(head_dim=64, dtype="float16", paged=False, decode=True),
+                 VarlenSpec(head_dim=128, dtype="bfloat16", paged=False, decode=False, wgmma=True)):
         module, was_compiled = loader.build_spec(spec)
         assert was_compiled and cache.why_invalid(module.entry.path) is None
+        assert ("sm90a" in module.entry.path.parent.name) == spec.wgmma
         ops = getattr(torch.ops, loader.op_namespace(spec, module.entry.key))
         assert "block_table" in str(ops.run.default._schema) and callable(ops.ctas_per_sm)

@@ -523,12 +523,33 @@ def test_varlen_names_and_keys_differ_in_every_field():
     variants = [base, VarlenSpec(head_dim=64), VarlenSpec(head_dim=128, dtype="bfloat16"),
                 VarlenSpec(head_dim=128, paged=True), VarlenSpec(head_dim=128, decode=True),
                 VarlenSpec(head_dim=128, warps_m=8, m_tiles=1), VarlenSpec(head_dim=128, block_n=32),
-                VarlenSpec(head_dim=128, stages=3)]
+                VarlenSpec(head_dim=128, stages=3), VarlenSpec(head_dim=128, wgmma=True)]
     target = keys.BuildTarget(("9.0",), "13.0.88", "gcc 12.2.0")
-    assert len({v.name for v in variants}) == len({keys.key_of(keys.components(v, target)) for v in variants}) == 8
+    assert len({v.name for v in variants}) == len({keys.key_of(keys.components(v, target)) for v in variants}) == 9
     assert VarlenSpec(head_dim=128, warps_m=4) == base  # 0 and the default tile are the same spec
     assert spec_from_dict(VarlenSpec(head_dim=96, dtype="bfloat16", paged=True).to_dict()) == \
         VarlenSpec(head_dim=96, dtype="bfloat16", paged=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_wgmma_varlen_spec_renders_and_targets_sm90a(head_dim):
+    spec = VarlenSpec(head_dim=head_dim, dtype="bfloat16", paged=True, wgmma=True)
+    assert spec.name.startswith(f"varlen_bf16_d{head_dim}_paged_prefill_wgmma_m8x1n")
+    assert (spec.warps_m, spec.m_tiles) == (8, 1) and spec_from_dict(spec.to_dict()) == spec
+    kernels = render.render(spec, "ns")["kernels.cu"]
+    assert not JINJA_LEFTOVER.search(kernels) and "constexpr bool WGMMA = true;" in kernels
+    assert f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.bf16.bf16" in kernels
+    # wgmma needs the arch-specific target; other archs cannot run it.
+    assert spec.archs_for(("9.0",)) == spec.archs_for(("8.0", "9.0a")) == ("9.0a",)
+    with pytest.raises(ValueError, match="only sm_90"):
+        spec.archs_for(("8.0", "10.0"))
+    assert VarlenSpec(head_dim=head_dim).archs_for(("9.0a",)) == ("9.0",)  # mma.sync: plain sm_90
+
+
+@pytest.mark.parametrize("head_dim, decode", [(96, False), (128, True)])
+def test_wgmma_varlen_spec_rejects_shapes_it_does_not_cover(head_dim, decode):
+    with pytest.raises(ValueError, match="wgmma varlen kernels are prefill-only"):
+        VarlenSpec(head_dim=head_dim, decode=decode, wgmma=True)
 
 
 @pytest.mark.parametrize("group, pos, kv, head_dim, use_tc, want_tc", [

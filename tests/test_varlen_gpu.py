@@ -65,6 +65,15 @@ def test_skewed_batch_matches_reference(case):
     check(b, out, lse, reference(b, window), f"window={window} splits={num_splits}")
 
 
+@pytest.mark.parametrize("wgmma", ["0", "1"])
+@pytest.mark.parametrize("case", range(0, len(SKEWED), 7))
+def test_both_prefill_rungs_match_reference(case, wgmma, monkeypatch):
+    """On sm_90 prefill runs the wgmma kernels (JITATTN_WGMMA=1, the default); the mma.sync ones
+    serve other GPUs and JITATTN_WGMMA=0. Both, on every 7th skewed case."""
+    monkeypatch.setenv("JITATTN_WGMMA", wgmma)
+    test_skewed_batch_matches_reference(case)
+
+
 # ---------------------------------------------------------------- zero-length sequences
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("paged", [False, True])

@@ -35,8 +35,16 @@ def launches(monkeypatch):
     monkeypatch.setattr(_checks, "cuda_device", lambda named: torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda index: types.SimpleNamespace(multi_processor_count=SMS))
+    monkeypatch.setattr(varlen, "_hopper", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))  # an A100
     monkeypatch.delenv("JITATTN_DEBUG", raising=False)
+    monkeypatch.delenv("JITATTN_WGMMA", raising=False)
     return recorded
+
+
+def on_hopper(monkeypatch):
+    monkeypatch.setattr(varlen, "_hopper", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
 
 
 def batch(len_q, len_k, h_q=32, h_kv=8, d=128, dtype=torch.bfloat16):
@@ -142,3 +150,19 @@ def test_loaded_kernels_are_memoized_per_shape(launches):
     finally:
         varlen.get_module = original
     assert [s.decode for s in calls] == [True, False]
+
+
+def test_hopper_prefill_takes_the_wgmma_rung(launches, monkeypatch):
+    on_hopper(monkeypatch)
+    for d in (64, 128, 256):
+        spec, run = launch(launches, **batch([4096] * 2, [4096] * 2, h_q=16, h_kv=16, d=d), window_size=(-1, 0))
+        assert spec == VarlenSpec(d, "bfloat16", paged=False, decode=False, wgmma=True)
+        assert run["m_blocks"] == 4096 // spec.block_m and spec.archs_for(("9.0",)) == ("9.0a",)
+
+
+def test_wgmma_rung_only_where_it_applies(launches, monkeypatch):
+    on_hopper(monkeypatch)
+    assert not launch(launches, **batch([300], [300], d=96))[0].wgmma  # head_dim not a multiple of 64
+    assert not launch(launches, **batch([1] * 64, [4096] * 64))[0].wgmma  # decode shape
+    monkeypatch.setenv("JITATTN_WGMMA", "0")
+    assert launch(launches, **batch([300], [300]))[0] == VarlenSpec(128, "bfloat16", paged=False, decode=False)

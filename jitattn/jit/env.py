@@ -19,6 +19,7 @@ KNOBS: dict[str, tuple[str, str]] = {
     "JITATTN_VERBOSE": ("0", "1 = info logs, 2 = debug logs and compiler command lines"),
     "JITATTN_DEBUG": ("0", "1 = extra value checks on inputs and a sync + error check after launches"),
     "JITATTN_RECORD": ("", "append every specialization this process asks for to this manifest"),
+    "JITATTN_WGMMA": ("1", "0 = varlen prefill on sm_90 uses the mma.sync kernels instead of wgmma"),
 }
 
 
@@ -143,6 +144,10 @@ def verbosity() -> int:
 
 def debug() -> bool:
     return _flag("JITATTN_DEBUG")
+
+
+def wgmma_enabled() -> bool:
+    return os.environ.get("JITATTN_WGMMA", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def record_path() -> Path | None:

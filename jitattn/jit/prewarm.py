@@ -54,7 +54,14 @@ def prewarm(specs: list[KernelSpec], jobs: int, force: bool = False, on_done=Non
         missing = []
         for spec in specs:
             start = time.perf_counter()
-            if is_cached(spec):
+            try:
+                cached = is_cached(spec)
+            except ValueError as exc:  # e.g. a wgmma spec for a target without sm_90
+                outcomes.append(Outcome(spec, "failed", time.perf_counter() - start, f"{type(exc).__name__}: {exc}"))
+                if on_done:
+                    on_done(outcomes[-1])
+                continue
+            if cached:
                 outcomes.append(Outcome(spec, "cached", time.perf_counter() - start))
                 if on_done:
                     on_done(outcomes[-1])
