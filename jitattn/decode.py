@@ -22,7 +22,7 @@ LAYOUTS = ("NHD", "HND")
 POS_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 
 _KV_DOC = "[kv_len, num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND)"
-_kernels: dict[tuple, tuple] = {}  # call shape -> (kernel, group tiles, tile rows): the per-call fast path
+_kernels: dict[tuple, tuple] = {}  # call shape -> (kernel, group tiles, tile rows, CTA budget divisor)
 
 
 def single_decode_with_kv_cache(
@@ -124,12 +124,13 @@ def single_decode_with_kv_cache(
         spec = DecodeSpec.for_call(head_dim, check.DTYPE_NAMES[dtype], check.DTYPE_NAMES[kv_dtype], pos_encoding_mode,
                                    cap > 0, group_size, use_tensor_cores)
         tile = TENSOR_CORE_TILE if spec.tensor_cores else rows_per_tile(head_dim, k.element_size())
-        entry = _kernels[key] = (LoadedKernel(get_module(spec)), -(-group_size // spec.group_tile), tile)
-    kernel, group_tiles, tile = entry
+        entry = _kernels[key] = (LoadedKernel(get_module(spec)), -(-group_size // spec.group_tile), tile,
+                                 wave_divisor(spec))
+    kernel, group_tiles, tile, divisor = entry
 
     q, k, v = check.vector_ready(q), check.vector_ready(k), check.vector_ready(v)
     kv_begin = kv_len - 1 - window_left if 0 <= window_left < kv_len - 1 else 0
-    chunk_len, num_chunks = _split(kv_len - kv_begin, num_kv_heads * group_tiles, tile, kernel.capacity(device) // 2)
+    chunk_len, num_chunks = _split(kv_len - kv_begin, num_kv_heads * group_tiles, tile, kernel.capacity(device) // divisor)
 
     q_factor = scale / cap if cap > 0 else scale * LOG2E
     out, lse = kernel.run(q, k, v, hnd, kv_begin, kv_len, group_size, chunk_len, num_chunks, q_factor, cap * LOG2E,
@@ -152,13 +153,22 @@ def rows_per_tile(head_dim: int, kv_element_size: int) -> int:
     return (128 // lanes) * 4
 
 
+def wave_divisor(spec: DecodeSpec) -> int:
+    """The split's CTA budget is one wave / this. Half a wave, except RoPE on CUDA cores, which is
+    compute-bound (twice the registers, 63% SM throughput) and wants every resident CTA to hide
+    its latency: a full wave measured -21% (32/8) and -3% (32/32) at 32k on the H200 (split
+    sweep with cold L2), where half a wave stayed best for every other kernel."""
+    return 1 if spec.pos_encoding == "ROPE_LLAMA" and not spec.tensor_cores else 2
+
+
 def _split(rows: int, ctas_per_chunk: int, tile: int, capacity: int) -> tuple[int, int]:
     """(chunk_len, num_chunks) for `rows` KV rows.
 
     Rule: the most chunks whose CTAs fit in `capacity`, which the caller sets to half a wave
-    (SMs x resident CTAs per SM, from the kernel's occupancy, / 2): never a second, partial wave,
-    and on the H200 half a wave beat a full one at every length measured (fewer partials to write
-    and merge; two CTAs per SM already keep 64 KB of loads in flight). No chunk shorter than
+    (SMs x resident CTAs per SM, from the kernel's occupancy, / 2; a full wave for RoPE on CUDA
+    cores: `wave_divisor`): never a second, partial wave, and on the H200 half a wave beat a
+    full one at every length measured, RoPE on CUDA cores aside (fewer partials to write and
+    merge; two CTAs per SM already keep 64 KB of loads in flight). No chunk shorter than
     MIN_CHUNK_TILES tiles (short chunks cost more in partials and merging than they gain), and at
     most MAX_CHUNKS. One chunk means one launch and no merge. Chunks are whole tiles, so only the
     last one has a ragged end. This holds from kv_len 1 (one chunk) to 128k, MHA and GQA alike:

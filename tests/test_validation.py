@@ -332,6 +332,16 @@ def test_split_of_32_kv_heads_at_4096_rows_fills_at_most_one_wave(head_dim):
     assert chunk_len * (chunks - 1) < 4096 <= chunk_len * chunks
 
 
+def test_split_budget_is_half_a_wave_except_rope_on_cuda_cores():
+    from jitattn.jit.spec import DecodeSpec
+
+    assert decode.wave_divisor(DecodeSpec(128, pos_encoding="ROPE_LLAMA")) == 1  # compute-bound: full wave
+    for spec in (DecodeSpec(128), DecodeSpec(128, pos_encoding="ALIBI"), DecodeSpec(128, tensor_cores=True),
+                 DecodeSpec(128, pos_encoding="ROPE_LLAMA", tensor_cores=True),
+                 DecodeSpec(128, dtype_kv="float8_e4m3fn")):
+        assert decode.wave_divisor(spec) == 2, spec
+
+
 class _FakeOp:
     def __init__(self, fn):
         self.default = fn
