@@ -160,11 +160,11 @@ class VarlenSpec(KernelSpec):
         tiles within 3%, 8 warps x 16 rows 5-10% slower), 256 at 8 warps x 16 rows x 64 keys
         (+13% over 32 keys); paged decode best at 64 keys x 3 stages (4 stages leave one CTA per
         SM: -37%). The wgmma rung (two warpgroups of 64 rows) measured best at 64 keys x 3
-        stages for D64 (2 CTAs per SM; 128 keys: -20%), 128 keys x 3 stages for D128 (+5% over 2
-        stages: the third stage lets O += P V overlap the next tile's start) and 80 keys x 2
-        stages for D256 (+2% over 64; 3 stages do not fit)."""
+        stages for D64 (2 CTAs per SM; 128 keys: -20%), and, with its producer warpgroup, 128
+        keys x 3 stages for D128 (64 or 96 keys: -7 to -18%; 2 stages: -22%) and 48 keys x 3
+        stages for D256 (64 or 80 keys fit only 2 stages: -20%)."""
         if wgmma:
-            return {64: (8, 1, 64, 3), 128: (8, 1, 128, 3)}.get(head_dim, (8, 1, 80, 2))
+            return {64: (8, 1, 64, 3), 128: (8, 1, 128, 3)}.get(head_dim, (8, 1, 48, 3))
         if decode:
             return (1, 1, 64, 3 if head_dim <= 128 else 2)
         return (4, 2, 64, 2) if head_dim <= 128 else (8, 1, 64, 2)
