@@ -1,15 +1,17 @@
-"""A loaded kernel module as the API functions use it: its launch op and its wave size."""
+"""Loaded kernel modules as the API functions use them: how they launch and their wave size."""
 from __future__ import annotations
+
+import ctypes
+import struct
 
 import torch
 
 
 class LoadedKernel:
-    """A module's `run` op (an OpOverload: no overload resolution per call) and, per device, how
-    many of its CTAs fill one wave (SMs x CTAs resident per SM, from the kernel's occupancy)."""
+    """Per device, how many of a module's CTAs fill one wave (SMs x CTAs resident per SM, from
+    the kernel's occupancy: its `ctas_per_sm` op, asked once per device)."""
 
     def __init__(self, module):
-        self.run = module.ops.run.default
         self._ctas_per_sm = module.ops.ctas_per_sm.default
         self._capacity: dict[int, int] = {}
 
@@ -20,3 +22,57 @@ class LoadedKernel:
             sms = torch.cuda.get_device_properties(index).multi_processor_count
             cap = self._capacity[index] = sms * int(self._ctas_per_sm(index))
         return cap
+
+
+class OpKernel(LoadedKernel):
+    """A module launched through its `run` op (an OpOverload: no overload resolution per call)."""
+
+    def __init__(self, module):
+        super().__init__(module)
+        self.run = module.ops.run.default
+
+
+# DecodeParams (templates/decode/params.h) in native layout: 7 pointers, 5 int64 strides,
+# 7 ints, 3 floats, 2 doubles, the device, padded to 8 bytes. The binding static_asserts the
+# same offsets, and DecodeKernel compares sizes on load.
+DECODE_PARAMS = struct.Struct("@7P5q7i3f2di0q")
+
+
+class DecodeKernel(LoadedKernel):
+    """A decode module, launched through its C entry point `jitattn_decode_launch` (ctypes):
+    a decode step is a few microseconds of GPU work, and a boxed torch op call with 14 arguments
+    cost more host time than that. The caller allocates every output; `launch` packs the
+    pointers and scalars and launches on torch's current stream of `device`."""
+
+    def __init__(self, module):
+        super().__init__(module)
+        # PyDLL: keeps the GIL for the few microseconds of a launch (no release/reacquire).
+        library = ctypes.PyDLL(str(module.entry.library))
+        self._launch = library.jitattn_decode_launch
+        self._launch.argtypes = [ctypes.c_char_p]
+        self._launch.restype = ctypes.c_int
+        self._error = library.jitattn_decode_error
+        self._error.restype = ctypes.c_char_p
+        size = library.jitattn_decode_params_size()
+        if size != DECODE_PARAMS.size:
+            raise RuntimeError(f"{module.entry.path}: DecodeParams is {size} bytes but jitattn packs "
+                               f"{DECODE_PARAMS.size}: the module was built from other templates; rebuild it")
+
+    def launch(self, q, k, v, out, lse, workspace, k_strides, v_strides, kv_begin, kv_end, group_size,
+               group_tiles, chunk_len, num_chunks, q_scale, cap_log2e, v_scale, rope_theta, rope_scale,
+               device_index):
+        """k_strides/v_strides: (token stride, head stride) in elements. `lse` may be None (not
+        written); `workspace` holds the fp32 partials when num_chunks > 1: [chunks, heads, D] o,
+        then [chunks, heads] lse."""
+        num_heads, head_dim = q.shape
+        partial_o = partial_lse = 0
+        if workspace is not None:
+            partial_o = workspace.data_ptr()
+            partial_lse = partial_o + num_chunks * num_heads * head_dim * 4
+        params = DECODE_PARAMS.pack(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
+            partial_o, partial_lse, q.stride(0), k_strides[0], k_strides[1], v_strides[0], v_strides[1],
+            kv_begin, kv_end, num_heads // group_size, group_size, group_tiles, chunk_len, num_chunks,
+            q_scale, cap_log2e, v_scale, rope_theta, rope_scale, device_index)
+        if self._launch(params):
+            raise RuntimeError(self._error().decode(errors="replace"))

@@ -9,7 +9,7 @@ import math
 import torch
 
 from jitattn import _checks as check
-from jitattn._kernel import LoadedKernel
+from jitattn._kernel import DecodeKernel
 from jitattn.jit import env
 from jitattn.jit.loader import get_module
 from jitattn.jit.spec import DecodeSpec
@@ -124,7 +124,7 @@ def single_decode_with_kv_cache(
         spec = DecodeSpec.for_call(head_dim, check.DTYPE_NAMES[dtype], check.DTYPE_NAMES[kv_dtype], pos_encoding_mode,
                                    cap > 0, group_size, use_tensor_cores)
         tile = TENSOR_CORE_TILE if spec.tensor_cores else rows_per_tile(head_dim, k.element_size())
-        entry = _kernels[key] = (LoadedKernel(get_module(spec)), -(-group_size // spec.group_tile), tile,
+        entry = _kernels[key] = (DecodeKernel(get_module(spec)), -(-group_size // spec.group_tile), tile,
                                  wave_divisor(spec))
     kernel, group_tiles, tile, divisor = entry
 
@@ -133,9 +133,18 @@ def single_decode_with_kv_cache(
     chunk_len, num_chunks = _split(kv_len - kv_begin, num_kv_heads * group_tiles, tile, kernel.capacity(device) // divisor)
 
     q_factor = scale / cap if cap > 0 else scale * LOG2E
-    out, lse = kernel.run(q, k, v, hnd, kv_begin, kv_len, group_size, chunk_len, num_chunks, q_factor, cap * LOG2E,
-                          1.0 if v_scale is None else v_scale, 1.0 if rope_scale is None else rope_scale,
-                          1e4 if rope_theta is None else rope_theta)
+    # Outputs and the split's fp32 partials ([chunks, heads, D] o, then [chunks, heads] lse)
+    # come from torch's allocator, on q's device and stream. No lse asked for: none written.
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty((num_qo_heads,), dtype=torch.float32) if return_lse else None
+    workspace = q.new_empty((num_chunks * num_qo_heads * (head_dim + 1),), dtype=torch.float32) if num_chunks > 1 else None
+    k_strides, v_strides = k.stride(), v.stride()
+    if hnd:
+        k_strides, v_strides = (k_strides[1], k_strides[0]), (v_strides[1], v_strides[0])
+    kernel.launch(q, k, v, out, lse, workspace, k_strides, v_strides, kv_begin, kv_len, group_size, group_tiles,
+                  chunk_len, num_chunks, q_factor, cap * LOG2E, 1.0 if v_scale is None else v_scale,
+                  1e4 if rope_theta is None else rope_theta, 1.0 if rope_scale is None else rope_scale,
+                  q.get_device())
     if env.debug():
         torch.cuda.synchronize(device)
     return (out, lse) if return_lse else out

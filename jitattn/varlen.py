@@ -16,7 +16,7 @@ import math
 import torch
 
 from jitattn import _checks as check
-from jitattn._kernel import LoadedKernel
+from jitattn._kernel import OpKernel
 from jitattn.jit import env
 from jitattn.jit.loader import get_module
 from jitattn.jit.spec import VarlenSpec
@@ -31,7 +31,7 @@ MAX_SPLITS = 128  # keep in sync with the template's max_splits
 MIN_SPLIT_TILES = 2  # shortest KV split, in key tiles: shorter ones cost more to merge than they gain
 
 # (head_dim, dtype, paged, decode, wgmma) -> (loaded kernel, BLOCK_M, BLOCK_N): the per-call fast path
-_kernels: dict[tuple, tuple[LoadedKernel, int, int]] = {}
+_kernels: dict[tuple, tuple[OpKernel, int, int]] = {}
 _hopper: dict[int | None, bool] = {}  # device index -> sm_90 (the wgmma kernels run there)
 
 
@@ -142,7 +142,7 @@ def forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, windo
     entry = _kernels.get(kernel_key)
     if entry is None:
         spec = VarlenSpec(args.head_dim, check.DTYPE_NAMES[query.dtype], args.paged, decode, wgmma=wgmma)
-        entry = _kernels[kernel_key] = (LoadedKernel(get_module(spec)), spec.block_m, spec.block_n)
+        entry = _kernels[kernel_key] = (OpKernel(get_module(spec)), spec.block_m, spec.block_n)
     kernel, block_m, tile_n = entry
     m_blocks = -(-max_q * group // block_m)
     splits = args.num_splits

@@ -163,7 +163,7 @@ print(json.dumps({
     "pid": os.getpid(), "compiled": compiled, "compiles": loader.COMPILE_COUNT,
     "entry": str(module.entry.path), "start": start, "end": end, "cpu": cpu() - cpu0,
     "verified": cache.read_entry(module.entry.path, module.entry.key) is not None,
-    "has_run": hasattr(module.ops, "run"),
+    "has_ops": hasattr(module.ops, "ctas_per_sm"),
 }), flush=True)
 """
 

@@ -54,7 +54,7 @@ GET_RECORDING_LOADS = """
     torch.ops.load_library = load_library
     module = loader.get_module(spec_from_dict(json.loads(sys.argv[1])))
     print(json.dumps({"entry": str(module.entry.path), "compiles": loader.COMPILE_COUNT, "loads": loads,
-                      "has_run": hasattr(module.ops, "run")}))
+                      "has_ops": hasattr(module.ops, "ctas_per_sm")}))
 """
 
 
@@ -106,7 +106,7 @@ def test_a_corrupt_entry_is_rebuilt_not_loaded_and_the_rebuild_verifies(corrupte
     assert report["loads"] and all(load["staging"] or load["why_invalid"] is None for load in report["loads"])
     assert not [load for load in report["loads"] if Path(load["path"]).parent == entry]
     # The rebuilt entry is in place, verifies, and is new.
-    assert report["entry"] == str(entry) and report["has_run"]
+    assert report["entry"] == str(entry) and report["has_ops"]
     assert cache.why_invalid(entry) is None
     manifest = json.loads((entry / cache.MANIFEST).read_text())
     assert manifest["built"]["time"] >= t0 and manifest["name"] == SPEC.name

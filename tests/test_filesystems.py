@@ -36,7 +36,7 @@ GET = """
     report = {}
     try:
         module = loader.get_module(spec_from_dict(json.loads(sys.argv[1])))
-        report.update(entry=str(module.entry.path), has_run=hasattr(module.ops, "run"),
+        report.update(entry=str(module.entry.path), has_ops=hasattr(module.ops, "ctas_per_sm"),
                       verified=cache.why_invalid(module.entry.path) is None)
     except Exception as exc:
         report.update(error=type(exc).__name__, message=str(exc))
@@ -93,7 +93,7 @@ def test_read_only_warm_cache_loads_without_writing_anything(read_only_copy, tmp
     report, err = get_module_in_child(SPEC, child_env(root, JITATTN_VERBOSE="1", **extra), prefix)
     assert "error" not in report, (report, err[-3000:])
     assert report["compiles"] == 0 and "compiling" not in err
-    assert report["verified"] and report["has_run"]
+    assert report["verified"] and report["has_ops"]
     assert Path(report["entry"]).parent.parent.parent == root
     assert tree(root) == before  # no lock, memo, staging dir, log or probe file was written
 
@@ -155,7 +155,7 @@ def test_cache_root_with_spaces_and_non_ascii_characters_builds_and_loads_warm(t
     root = tmp_path / "cache dir ü 例" / "jit tä"
     report, err = get_module_in_child(SPEC, child_env(root, JITATTN_VERBOSE="1"))
     assert "error" not in report, (report, err[-3000:])
-    assert report["compiles"] == 1 and report["verified"] and report["has_run"]
+    assert report["compiles"] == 1 and report["verified"] and report["has_ops"]
     entry = Path(report["entry"])
     assert entry.parent == root / keys.CACHE_SCHEMA / ARCH_TAG and cache.why_invalid(entry) is None
     assert f"compiling {SPEC.name} (miss)" in err and str(root) in err

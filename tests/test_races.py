@@ -123,7 +123,7 @@ def test_sixteen_processes_asking_for_one_cold_spec_compile_it_exactly_once(tmp_
     assert sum(r["compiles"] for r in reports) == 1
     assert sum(r["compiled"] for r in reports) == 1
     assert compiling_lines == [(spec.name, "miss")] and [n for n, _ in compiled_lines] == [spec.name]
-    assert all(r["entry"] == str(entry) and r["verified"] and r["has_run"] for r in reports)
+    assert all(r["entry"] == str(entry) and r["verified"] and r["has_ops"] for r in reports)
     # One published entry, built once, during this test, on this host.
     assert assert_every_entry_verifies(root) == [entry]
     manifest = json.loads((entry / cache.MANIFEST).read_text())
@@ -266,7 +266,7 @@ RECOVER = """
         module = loader.get_module(spec_from_dict(spec))
         report.append({"entry": str(module.entry.path), "seconds": time.perf_counter() - t0,
                        "verified": cache.why_invalid(module.entry.path) is None,
-                       "has_run": hasattr(module.ops, "run")})
+                       "has_ops": hasattr(module.ops, "ctas_per_sm")})
     print(json.dumps({"loads": report, "compiles": loader.COMPILE_COUNT, "unverified_loads": unverified_loads}))
 """
 
@@ -281,7 +281,7 @@ def _recover(pairs: list[tuple[Path, DecodeSpec]], timeout: float = 150) -> dict
     assert result.returncode == 0, result.stderr[-3000:]
     report = last_json(result.stdout)
     report["wall"] = seconds
-    assert all(load["verified"] and load["has_run"] for load in report["loads"]), report
+    assert all(load["verified"] and load["has_ops"] for load in report["loads"]), report
     assert report["unverified_loads"] == []
     return report
 

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jitattn  # noqa: E402
 import jitattn.decode as decode  # noqa: E402
-from jitattn._kernel import LoadedKernel  # noqa: E402
+from jitattn._kernel import LoadedKernel  # noqa: E402  (capacity, patched by the sweep)
 from bench_util import host_us_per_call, time_us  # noqa: E402
 
 SHAPES = [(32, 32, 4096), (32, 32, 32768), (32, 8, 1024), (32, 8, 4096), (32, 8, 32768)]
@@ -31,11 +31,16 @@ def host_breakdown():
     q, k, v = inputs(32, 32, 16)
     jitattn.single_decode_with_kv_cache(q, k, v)
     kernel = next(iter(decode._kernels.values()))[0]
-    args = (q, k, v, False, 0, 16, 1, 32, 1, 0.1, 0.0, 1.0, 1.0, 1e4)  # see binding.cpp.j2 run()
+    out = torch.empty_like(q)
+    # The C launch alone, with decode.py's arguments for this shape (one chunk, no lse).
+    launch = (q, k, v, out, None, None, k.stride(), v.stride(), 0, 16, 1, 1, 32, 1, 0.1, 0.0, 1.0, 1e4, 1.0, 0)
     full = host_us_per_call(lambda: jitattn.single_decode_with_kv_cache(q, k, v))
-    op_default = host_us_per_call(lambda: kernel.run(*args))
-    empty = host_us_per_call(lambda: torch.empty((32, 128), dtype=torch.float16, device="cuda"))
-    print(f"host us/call: full {full:.1f}, op.default alone {op_default:.1f}, one torch.empty {empty:.1f}")
+    launch_only = host_us_per_call(lambda: kernel.launch(*launch))
+    empty = host_us_per_call(lambda: torch.empty_like(q, memory_format=torch.contiguous_format))
+    sdpa_q, sdpa_k = q.view(1, 32, 1, 128), k.view(1, 16, 32, 128).transpose(1, 2)
+    sdpa = host_us_per_call(lambda: torch.nn.functional.scaled_dot_product_attention(sdpa_q, sdpa_k, sdpa_k))
+    print(f"host us/call: full {full:.1f}, C launch alone {launch_only:.1f}, one torch.empty_like {empty:.1f}, "
+          f"SDPA {sdpa:.1f}")
 
 
 def kernel_breakdown():

@@ -10,7 +10,7 @@ VarlenSpec.default_tile.
 import json, subprocess, sys, torch
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
 import jitattn, jitattn.varlen as V
-from jitattn._kernel import LoadedKernel
+from jitattn._kernel import OpKernel
 from jitattn.jit.loader import get_module
 from jitattn.jit.spec import VarlenSpec
 from torch.nn.attention import varlen as tv
@@ -49,7 +49,7 @@ def bench(fn, n=15):
         a=torch.cuda.Event(True); b=torch.cuda.Event(True); a.record(); fn(); b.record(); torch.cuda.synchronize(); es.append(a.elapsed_time(b))
     es.sort(); return es[len(es)//2]
 def use(spec):  # the kernel varlen_attn runs for this shape, whichever rung it would pick
-    entry = (LoadedKernel(get_module(spec)), spec.block_m, spec.block_n)
+    entry = (OpKernel(get_module(spec)), spec.block_m, spec.block_n)
     for wgmma in (False, True):
         V._kernels[(spec.head_dim, torch.bfloat16, spec.paged, spec.decode, wgmma)] = entry
 for d, ts in PREFILL.items():

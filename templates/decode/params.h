@@ -1,10 +1,11 @@
-// Arguments of one decode launch; filled by the binding, read by the launcher.
+// Arguments of one decode launch, packed by jitattn/_kernel.py (DECODE_PARAMS: keep the two
+// in sync; the binding's static_asserts pin the layout).
 struct DecodeParams {
   const void* q;       // [num_qo_heads, HEAD_DIM], head stride q_stride_head
   const void* k;       // kv rows: element (token t, kv head h) at t * k_stride_token + h * k_stride_head
   const void* v;
   void* out;           // [num_qo_heads, HEAD_DIM] contiguous, dtype of q
-  float* lse;          // [num_qo_heads], base 2
+  float* lse;          // [num_qo_heads], base 2; null when the caller did not ask for it
   float* partial_o;    // [num_chunks, num_qo_heads, HEAD_DIM] when num_chunks > 1
   float* partial_lse;  // [num_chunks, num_qo_heads]
   int64_t q_stride_head;
