@@ -17,7 +17,6 @@ from jitattn.jit.spec import DecodeSpec
 LOG2E = 1.4426950408889634
 MAX_CHUNKS = 256  # keep in sync with templates/decode/kernels.cu.j2 (max_chunks)
 MIN_CHUNK_TILES = 2  # shortest split chunk, in pipeline tiles (see _split)
-TENSOR_CORE_TILE = 32  # rows per stage on the tensor-core path: 8 per warp (kernels.cu.j2 TILE)
 LAYOUTS = ("NHD", "HND")
 POS_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 
@@ -123,7 +122,7 @@ def single_decode_with_kv_cache(
     if entry is None:
         spec = DecodeSpec.for_call(head_dim, check.DTYPE_NAMES[dtype], check.DTYPE_NAMES[kv_dtype], pos_encoding_mode,
                                    cap > 0, group_size, use_tensor_cores)
-        tile = TENSOR_CORE_TILE if spec.tensor_cores else rows_per_tile(head_dim, k.element_size())
+        tile = tensor_core_rows(head_dim, spec.pos_encoding) if spec.tensor_cores else rows_per_tile(head_dim, k.element_size())
         entry = _kernels[key] = (DecodeKernel(get_module(spec)), -(-group_size // spec.group_tile), tile,
                                  wave_divisor(spec))
     kernel, group_tiles, tile, divisor = entry
@@ -162,21 +161,28 @@ def rows_per_tile(head_dim: int, kv_element_size: int) -> int:
     return (128 // lanes) * 4
 
 
+def tensor_core_rows(head_dim: int, pos_encoding: str) -> int:
+    """Rows one pipeline stage holds on the tensor-core path: 4 warps x 8 rows, or x 16 with
+    RoPE up to 256-byte rows (mirrors KEY_BLOCKS in kernels.cu.j2)."""
+    return 64 if pos_encoding == "ROPE_LLAMA" and head_dim * 2 <= 256 else 32
+
+
 def wave_divisor(spec: DecodeSpec) -> int:
-    """The split's CTA budget is one wave / this. Half a wave, except RoPE on CUDA cores, which is
-    compute-bound (twice the registers, 63% SM throughput) and wants every resident CTA to hide
-    its latency: a full wave measured -21% (32/8) and -3% (32/32) at 32k on the H200 (split
-    sweep with cold L2), where half a wave stayed best for every other kernel."""
-    return 1 if spec.pos_encoding == "ROPE_LLAMA" and not spec.tensor_cores else 2
+    """The split's CTA budget is one wave / this. Half a wave, except with RoPE, whose kernels
+    are compute-bound (per-key rotations) and want every resident CTA to hide their latency:
+    on the H200 (fp16 D128, cold L2 split sweeps) a full wave took RoPE on tensor cores from
+    164 to 137 us (32/32, 32k) and 50 to 44 (32/8), and RoPE on CUDA cores -21% (32/8) and
+    -3% (32/32); half a wave stayed best for every other kernel."""
+    return 1 if spec.pos_encoding == "ROPE_LLAMA" else 2
 
 
 def _split(rows: int, ctas_per_chunk: int, tile: int, capacity: int) -> tuple[int, int]:
     """(chunk_len, num_chunks) for `rows` KV rows.
 
     Rule: the most chunks whose CTAs fit in `capacity`, which the caller sets to half a wave
-    (SMs x resident CTAs per SM, from the kernel's occupancy, / 2; a full wave for RoPE on CUDA
-    cores: `wave_divisor`): never a second, partial wave, and on the H200 half a wave beat a
-    full one at every length measured, RoPE on CUDA cores aside (fewer partials to write and
+    (SMs x resident CTAs per SM, from the kernel's occupancy, / 2; a full wave for RoPE:
+    `wave_divisor`): never a second, partial wave, and on the H200 half a wave beat a
+    full one at every length measured, RoPE aside (fewer partials to write and
     merge; two CTAs per SM already keep 64 KB of loads in flight). No chunk shorter than
     MIN_CHUNK_TILES tiles (short chunks cost more in partials and merging than they gain), and at
     most MAX_CHUNKS. One chunk means one launch and no merge. Chunks are whole tiles, so only the

@@ -5,6 +5,8 @@ import pytest
 import torch
 
 import jitattn
+from jitattn._checks import DTYPE_NAMES
+from jitattn.jit.spec import DecodeSpec
 from jitattn.reference import single_decode_reference
 from tests.gpu_utils import assert_close, poison_allocator
 
@@ -184,7 +186,11 @@ def check_modes(q, k, v, what, layout="NHD", **kwargs):
         # ALiBi biases reach slope * kv_len: compare the LSE relative to its size. The tensor-core
         # path feeds RoPE-rotated q and k to the MMA re-rounded to q's dtype, which costs bf16
         # about 2^-9 of each logit: its LSE gets a bf16-sized tolerance (the output does not).
-        rounded = tensor_cores and kwargs.get("pos_encoding_mode") == "ROPE_LLAMA" and q.dtype == torch.bfloat16
+        mode = kwargs.get("pos_encoding_mode", "NONE")
+        runs_on_tensor_cores = DecodeSpec.for_call(  # the kernel this call ran (RoPE picks tensor cores)
+            q.shape[1], DTYPE_NAMES[q.dtype], DTYPE_NAMES[k.dtype], mode, bool(kwargs.get("logits_soft_cap")),
+            q.shape[0] // k.shape[1 if layout == "NHD" else 0], tensor_cores).tensor_cores
+        rounded = runs_on_tensor_cores and mode == "ROPE_LLAMA" and q.dtype == torch.bfloat16
         rel, abs_ = (5e-4, 1e-2) if rounded else (1e-4, 2e-3)
         assert_close(lse, ref_lse, rel, abs_ * max(1.0, ref_lse.abs().max().item() / 100), what + " lse")
 
@@ -197,6 +203,19 @@ def test_decode_positional_encodings_match_reference(case):
     window = kv_len // 2 if case % 4 == 1 else -1
     check_modes(q, k, v, f"{mode} d{head_dim} {dtype} {layout} {num_qo}/{num_kv} L={kv_len} {extra} win={window}",
                 layout=layout, pos_encoding_mode=mode, window_left=window, **extra)
+
+
+@pytest.mark.parametrize("head_dim,dtype,heads", [(48, torch.float16, (8, 8)), (80, torch.bfloat16, (16, 4)),
+                                                   (112, torch.float16, (16, 4))])
+def test_decode_rope_on_cuda_cores(head_dim, dtype, heads):
+    """RoPE runs on tensor cores wherever they apply; a head_dim that is not a multiple of 32
+    keeps the CUDA-core kernel's rotation (fp8 K/V too: see the fp8 grid)."""
+    assert not DecodeSpec.for_call(head_dim, DTYPE_NAMES[dtype], DTYPE_NAMES[dtype], "ROPE_LLAMA", False,
+                                   heads[0] // heads[1]).tensor_cores
+    for kv_len, layout in ((1, "NHD"), (3001, "HND"), (20000, "NHD")):
+        q, k, v = make_inputs(*heads, kv_len, head_dim, dtype, layout, seed=head_dim + kv_len)
+        check_modes(q, k, v, f"rope cuda cores d{head_dim} L={kv_len}", layout=layout, pos_encoding_mode="ROPE_LLAMA",
+                    rope_theta=5e5)
 
 
 @pytest.mark.parametrize("mode", ["ROPE_LLAMA", "ALIBI"])

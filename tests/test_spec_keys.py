@@ -557,8 +557,10 @@ def test_wgmma_varlen_spec_rejects_shapes_it_does_not_cover(head_dim, decode):
     (3, "NONE", "float16", 128, False, False),
     (4, "NONE", "float16", 128, False, True),   # large groups: tensor cores by default
     (8, "ALIBI", "bfloat16", 64, False, True),
-    (4, "ROPE_LLAMA", "float16", 128, False, False),  # RoPE: CUDA cores unless asked
-    (4, "ROPE_LLAMA", "float16", 128, True, True),
+    (1, "ROPE_LLAMA", "float16", 128, False, True),  # RoPE: tensor cores at any group size
+    (4, "ROPE_LLAMA", "bfloat16", 64, False, True),
+    (4, "ROPE_LLAMA", "float8_e5m2", 128, False, False),  # ...but never with fp8 K/V
+    (2, "ROPE_LLAMA", "float16", 48, True, False),
     (1, "NONE", "float16", 128, True, True),
     (8, "NONE", "float8_e4m3fn", 128, True, False),  # fp8 K/V: never tensor cores
     (8, "NONE", "float16", 48, False, False),  # head_dim not a multiple of 32

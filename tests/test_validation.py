@@ -332,14 +332,32 @@ def test_split_of_32_kv_heads_at_4096_rows_fills_at_most_one_wave(head_dim):
     assert chunk_len * (chunks - 1) < 4096 <= chunk_len * chunks
 
 
-def test_split_budget_is_half_a_wave_except_rope_on_cuda_cores():
+def test_split_budget_is_half_a_wave_except_rope():
     from jitattn.jit.spec import DecodeSpec
 
-    assert decode.wave_divisor(DecodeSpec(128, pos_encoding="ROPE_LLAMA")) == 1  # compute-bound: full wave
+    for spec in (DecodeSpec(128, pos_encoding="ROPE_LLAMA"), DecodeSpec(128, pos_encoding="ROPE_LLAMA", tensor_cores=True),
+                 DecodeSpec(128, dtype_kv="float8_e4m3fn", pos_encoding="ROPE_LLAMA")):
+        assert decode.wave_divisor(spec) == 1, spec  # compute-bound: full wave
     for spec in (DecodeSpec(128), DecodeSpec(128, pos_encoding="ALIBI"), DecodeSpec(128, tensor_cores=True),
-                 DecodeSpec(128, pos_encoding="ROPE_LLAMA", tensor_cores=True),
                  DecodeSpec(128, dtype_kv="float8_e4m3fn")):
         assert decode.wave_divisor(spec) == 2, spec
+
+
+def test_tensor_core_stage_rows_mirror_the_template():
+    """decode.tensor_core_rows must equal TILE in the rendered kernel, or the split would cut
+    chunks that are not whole tiles."""
+    import re
+
+    from jitattn.jit.render import render
+    from jitattn.jit.spec import DecodeSpec
+
+    for head_dim in (32, 64, 128, 160, 256):
+        for pos in ("NONE", "ROPE_LLAMA", "ALIBI"):
+            text = render(DecodeSpec(head_dim, pos_encoding=pos, group_tile=4, tensor_cores=True), "x")["kernels.cu"]
+            rope, fits = pos == "ROPE_LLAMA", head_dim * 2 <= 256
+            assert re.search(r"constexpr int KEY_BLOCKS = ROPE && HEAD_DIM \* 2 <= 256 \? 2 : 1;", text)
+            assert f"constexpr bool ROPE = {'true' if rope else 'false'};" in text
+            assert decode.tensor_core_rows(head_dim, pos) == 4 * 8 * (2 if rope and fits else 1)
 
 
 class _FakeOp:

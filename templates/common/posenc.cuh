@@ -41,6 +41,19 @@ __device__ __forceinline__ void rope_rotate(float (&x)[N], const float (&partner
   }
 }
 
+// Rotate, at position `pos`, two rotate-half pairs held as packed 2-element registers of T:
+// `lo` holds dims (d, d + 1) and `hi` their partners (d + D/2, d + 1 + D/2). For K fragments
+// on the tensor-core path: rotated where they are loaded, then rounded back to T for the MMA.
+template <typename T>
+__device__ __forceinline__ void rope_rotate_pairs(uint32_t& lo, uint32_t& hi, const RopeFreq* freq, int d, int pos) {
+  const float2 x = ElemTraits<T>::to_float2(lo), y = ElemTraits<T>::to_float2(hi);
+  float s0, c0, s1, c1;
+  __sincosf(rope_angle(static_cast<uint32_t>(pos), freq[d]), &s0, &c0);
+  __sincosf(rope_angle(static_cast<uint32_t>(pos), freq[d + 1]), &s1, &c1);
+  lo = ElemTraits<T>::from_float2(x.x * c0 - y.x * s0, x.y * c1 - y.y * s1);
+  hi = ElemTraits<T>::from_float2(y.x * c0 + x.x * s0, y.y * c1 + x.y * s1);
+}
+
 // ALiBi slope of query head h out of num_heads (the ALiBi paper's, as FlashInfer indexes them).
 __device__ __forceinline__ float alibi_slope(int h, int num_heads) {
   const int n = 1 << (31 - __clz(num_heads));  // largest power of two <= num_heads
