@@ -5,7 +5,7 @@ kv_len, head_dim 128, q fp16. SDPA runs the fp16 NHD shape in its natural (B, H,
 (enable_gqa for GQA): the peer for what a user would otherwise call. CUDA-event timing, warm-up,
 cold L2 (inputs rotated over >= 256 MB), host time hidden, median. TB/s counts K and V bytes
 read once (fp8 rows: one byte per element).
-Run: PYTHONPATH=. python tools/bench_decode.py [--quick] [--lengths 4096 32768] [--variants fp16 rope]
+Run: PYTHONPATH=. python tools/bench_decode.py [--quick] [--lengths 4096 32768] [--variants fp16 rope] [--host-only]
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jitattn  # noqa: E402
-from bench_util import host_us_per_call, sets_needed, time_us  # noqa: E402
+from bench_util import host_us_rounds, sets_needed, time_us  # noqa: E402
 
 VARIANTS = {
     "fp16": dict(layout="NHD", kv_dtype=torch.float16, mode="NONE"),
@@ -62,8 +62,11 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fp16 rows at 1k/4k/32k only")
     parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--host-only", action="store_true", help="only the host time per call")
     args = parser.parse_args()
     variants, lengths = (["fp16"], [1024, 4096, 32768]) if args.quick else (args.variants, args.lengths)
+    if args.host_only:
+        variants = []
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     print("\n| variant | heads | kv_len | jitattn us | TB/s | SDPA fp16 us | speedup vs SDPA | vs fp16 row |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
@@ -81,10 +84,13 @@ def main():
                       flush=True)
     q = torch.randn(32, 128, device="cuda", dtype=torch.float16)
     k = torch.randn(16, 32, 128, device="cuda", dtype=torch.float16)
-    host_ours = host_us_per_call(lambda: jitattn.single_decode_with_kv_cache(q, k, k))
     qs, ks = q.view(1, 32, 1, 128), k.permute(1, 0, 2).contiguous().unsqueeze(0)
-    host_sdpa = host_us_per_call(lambda: F.scaled_dot_product_attention(qs, ks, ks))
-    print(f"\nhost time per call (kv_len 16, 32/32, 10k calls): jitattn {host_ours:.1f} us, SDPA {host_sdpa:.1f} us")
+    # The GPU host is shared and its load varies between runs: 5 interleaved rounds of 10k calls
+    # each, reported as the best and the median round.
+    host = host_us_rounds({"jitattn": lambda: jitattn.single_decode_with_kv_cache(q, k, k),
+                           "SDPA": lambda: F.scaled_dot_product_attention(qs, ks, ks)})
+    print("\nhost time per call (kv_len 16, 32/32; 5 rounds of 10k calls, best / median): " +
+          ", ".join(f"{name} {t[0]:.1f} / {t[len(t) // 2]:.1f} us" for name, t in host.items()))
 
 
 if __name__ == "__main__":

@@ -51,3 +51,13 @@ def host_us_per_call(fn, calls: int = 10000) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / calls * 1e6
+
+
+def host_us_rounds(fns: dict, calls: int = 10000, rounds: int = 5) -> dict:
+    """host_us_per_call for each of `fns` (name -> callable), `rounds` times, interleaved so every
+    function meets the same background load on a shared host; name -> sorted per-round us."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(host_us_per_call(fn, calls))
+    return {name: sorted(t) for name, t in times.items()}
