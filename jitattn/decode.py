@@ -47,8 +47,9 @@ def single_decode_with_kv_cache(
     [num_kv_heads, kv_len, head_dim] ("HND"). Returns out [num_qo_heads, head_dim] in q's dtype,
     and with return_lse=True also lse [num_qo_heads] (float32, base 2).
 
-    use_tensor_cores=False still runs the tensor-core kernel for GQA groups of 4 or more without
-    RoPE, where it is faster (the rule and its measurements: DecodeSpec.for_call).
+    use_tensor_cores=False still runs the tensor-core kernel where it is faster: GQA groups of 4
+    or more (fp8 K/V included) and RoPE with fp16/bf16 K/V (the rule and its measurements:
+    DecodeSpec.for_call).
     """
     if torch.compiler.is_compiling():  # the registered op (end of this file): opaque to the compiler
         out, lse = torch.ops.jitattn.single_decode_with_kv_cache(
@@ -122,7 +123,7 @@ def single_decode_with_kv_cache(
     if entry is None:
         spec = DecodeSpec.for_call(head_dim, check.DTYPE_NAMES[dtype], check.DTYPE_NAMES[kv_dtype], pos_encoding_mode,
                                    cap > 0, group_size, use_tensor_cores)
-        tile = tensor_core_rows(head_dim, spec.pos_encoding) if spec.tensor_cores else rows_per_tile(head_dim, k.element_size())
+        tile = tensor_core_rows(spec) if spec.tensor_cores else rows_per_tile(head_dim, k.element_size())
         entry = _kernels[key] = (DecodeKernel(get_module(spec)), -(-group_size // spec.group_tile), tile,
                                  wave_divisor(spec))
     kernel, group_tiles, tile, divisor = entry
@@ -166,27 +167,33 @@ def rows_per_tile(head_dim: int, kv_element_size: int) -> int:
     return (128 // lanes) * 4
 
 
-def tensor_core_rows(head_dim: int, pos_encoding: str) -> int:
+def tensor_core_rows(spec: DecodeSpec) -> int:
     """Rows one pipeline stage holds on the tensor-core path: 4 warps x 8 rows, or x 16 with
-    RoPE up to 256-byte rows (mirrors KEY_BLOCKS in kernels.cu.j2)."""
-    return 64 if pos_encoding == "ROPE_LLAMA" and head_dim * 2 <= 256 else 32
+    RoPE or fp8 K/V up to head_dim 128 (mirrors KEY_BLOCKS in kernels.cu.j2)."""
+    two_blocks = spec.pos_encoding == "ROPE_LLAMA" or spec.dtype_kv.startswith("float8")
+    return 64 if two_blocks and spec.head_dim <= 128 else 32
 
 
 def wave_divisor(spec: DecodeSpec) -> int:
-    """The split's CTA budget is one wave / this. Half a wave, except with RoPE, whose kernels
-    are compute-bound (per-key rotations) and want every resident CTA to hide their latency:
-    on the H200 (fp16 D128, cold L2 split sweeps) a full wave took RoPE on tensor cores from
-    164 to 137 us (32/32, 32k) and 50 to 44 (32/8), and RoPE on CUDA cores -21% (32/8) and
-    -3% (32/32); half a wave stayed best for every other kernel."""
-    return 1 if spec.pos_encoding == "ROPE_LLAMA" else 2
+    """The split's CTA budget is one wave / this. Half a wave, except for the kernels that do
+    per-key work beyond the dot products, which are compute-bound and want every resident CTA
+    to hide their latency (H200, D128, cold L2 split sweeps):
+    - RoPE: a full wave took it on tensor cores from 164 to 137 us (32/32, 32k) and 50 to 44
+      (32/8), and on CUDA cores -21% (32/8) and -3% (32/32);
+    - fp8 K/V on tensor cores (widening in registers): 32/8 28.4 -> 26.4 us at 32k and
+      86.6 -> 76.1 at 128k (4k: 11.6 -> 11.9).
+    Half a wave stayed best for every other kernel (fp8 on CUDA cores: 68.8 vs 69.1 at 32/32)."""
+    if spec.pos_encoding == "ROPE_LLAMA" or (spec.tensor_cores and spec.dtype_kv.startswith("float8")):
+        return 1
+    return 2
 
 
 def _split(rows: int, ctas_per_chunk: int, tile: int, capacity: int) -> tuple[int, int]:
     """(chunk_len, num_chunks) for `rows` KV rows.
 
     Rule: the most chunks whose CTAs fit in `capacity`, which the caller sets to half a wave
-    (SMs x resident CTAs per SM, from the kernel's occupancy, / 2; a full wave for RoPE:
-    `wave_divisor`): never a second, partial wave, and on the H200 half a wave beat a
+    (SMs x resident CTAs per SM, from the kernel's occupancy, / 2; a full wave for RoPE and fp8
+    on tensor cores: `wave_divisor`): never a second, partial wave, and on the H200 half a wave beat a
     full one at every length measured, RoPE aside (fewer partials to write and
     merge; two CTAs per SM already keep 64 KB of loads in flight). No chunk shorter than
     MIN_CHUNK_TILES tiles (short chunks cost more in partials and merging than they gain), and at

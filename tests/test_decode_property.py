@@ -186,7 +186,10 @@ def test_decode_random_config_matches_reference(cfg):
                       c["group"], c["use_tensor_cores"]).tensor_cores
         rounded = tc and c["pos_encoding_mode"] == "ROPE_LLAMA"
         rel, abs_ = ((4e-3, 2e-2) if dtype == torch.bfloat16 else (1e-3, 4e-3)) if rounded else (1e-4, 2e-3)
-        assert_close(lse, ref_lse, rel, abs_ * max(1.0, ref_lse.abs().max().item() / 100), what + " lse")
+        abs_ *= max(1.0, ref_lse.abs().max().item() / 100)
+        if rounded:  # ...which for a large logit is more than the fixed bound (fp16: seed 63, 44 -> 1.6e-2)
+            abs_ = max(abs_, (2**-7 if dtype == torch.bfloat16 else 2**-10) * ref_lse.abs().max().item())
+        assert_close(lse, ref_lse, rel, abs_, what + " lse")
 
 
 def test_configs_use_only_cached_specializations_and_cover_them():

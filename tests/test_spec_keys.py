@@ -559,10 +559,13 @@ def test_wgmma_varlen_spec_rejects_shapes_it_does_not_cover(head_dim, decode):
     (8, "ALIBI", "bfloat16", 64, False, True),
     (1, "ROPE_LLAMA", "float16", 128, False, True),  # RoPE: tensor cores at any group size
     (4, "ROPE_LLAMA", "bfloat16", 64, False, True),
-    (4, "ROPE_LLAMA", "float8_e5m2", 128, False, False),  # ...but never with fp8 K/V
+    (1, "ROPE_LLAMA", "float8_e5m2", 128, False, False),  # ...but not for fp8 MHA
+    (4, "ROPE_LLAMA", "float8_e5m2", 128, False, True),  # fp8 GQA: tensor cores, like fp16
     (2, "ROPE_LLAMA", "float16", 48, True, False),
     (1, "NONE", "float16", 128, True, True),
-    (8, "NONE", "float8_e4m3fn", 128, True, False),  # fp8 K/V: never tensor cores
+    (1, "NONE", "float8_e4m3fn", 128, True, True),  # fp8 K/V: tensor cores when asked for
+    (1, "NONE", "float8_e4m3fn", 128, False, False),
+    (8, "NONE", "float8_e4m3fn", 64, False, True),
     (8, "NONE", "float16", 48, False, False),  # head_dim not a multiple of 32
 ])
 def test_for_call_picks_tensor_cores_by_the_documented_rule(group, pos, kv, head_dim, use_tc, want_tc):

@@ -332,11 +332,12 @@ def test_split_of_32_kv_heads_at_4096_rows_fills_at_most_one_wave(head_dim):
     assert chunk_len * (chunks - 1) < 4096 <= chunk_len * chunks
 
 
-def test_split_budget_is_half_a_wave_except_rope():
+def test_split_budget_is_half_a_wave_except_rope_and_fp8_on_tensor_cores():
     from jitattn.jit.spec import DecodeSpec
 
     for spec in (DecodeSpec(128, pos_encoding="ROPE_LLAMA"), DecodeSpec(128, pos_encoding="ROPE_LLAMA", tensor_cores=True),
-                 DecodeSpec(128, dtype_kv="float8_e4m3fn", pos_encoding="ROPE_LLAMA")):
+                 DecodeSpec(128, dtype_kv="float8_e4m3fn", pos_encoding="ROPE_LLAMA"),
+                 DecodeSpec(128, dtype_kv="float8_e5m2", tensor_cores=True, group_tile=4)):
         assert decode.wave_divisor(spec) == 1, spec  # compute-bound: full wave
     for spec in (DecodeSpec(128), DecodeSpec(128, pos_encoding="ALIBI"), DecodeSpec(128, tensor_cores=True),
                  DecodeSpec(128, dtype_kv="float8_e4m3fn")):
@@ -346,18 +347,18 @@ def test_split_budget_is_half_a_wave_except_rope():
 def test_tensor_core_stage_rows_mirror_the_template():
     """decode.tensor_core_rows must equal TILE in the rendered kernel, or the split would cut
     chunks that are not whole tiles."""
-    import re
-
     from jitattn.jit.render import render
     from jitattn.jit.spec import DecodeSpec
 
+    template_line = "constexpr int KEY_BLOCKS = (ROPE || sizeof(DTypeKV) == 1) && HEAD_DIM <= 128 ? 2 : 1;"
     for head_dim in (32, 64, 128, 160, 256):
         for pos in ("NONE", "ROPE_LLAMA", "ALIBI"):
-            text = render(DecodeSpec(head_dim, pos_encoding=pos, group_tile=4, tensor_cores=True), "x")["kernels.cu"]
-            rope, fits = pos == "ROPE_LLAMA", head_dim * 2 <= 256
-            assert re.search(r"constexpr int KEY_BLOCKS = ROPE && HEAD_DIM \* 2 <= 256 \? 2 : 1;", text)
-            assert f"constexpr bool ROPE = {'true' if rope else 'false'};" in text
-            assert decode.tensor_core_rows(head_dim, pos) == 4 * 8 * (2 if rope and fits else 1)
+            for kv in ("float16", "float8_e4m3fn"):
+                spec = DecodeSpec(head_dim, dtype_kv=kv, pos_encoding=pos, group_tile=4, tensor_cores=True)
+                text = render(spec, "x")["kernels.cu"]
+                assert template_line in text
+                two_blocks = (pos == "ROPE_LLAMA" or kv != "float16") and head_dim <= 128
+                assert decode.tensor_core_rows(spec) == 4 * 8 * (2 if two_blocks else 1)
 
 
 class _FakeOp:

@@ -1,6 +1,6 @@
 """Decode benchmark: jitattn vs torch SDPA on the same shapes in the same run.
 
-Rows: variant (fp16 NHD, fp16 with use_tensor_cores, fp16 HND, fp8 e4m3 KV, RoPE, ALiBi) x heads (32/32, 32/8, 32/4) x
+Rows: variant (fp16 NHD, fp16 with use_tensor_cores, fp16 HND, fp8 e4m3 KV (also with use_tensor_cores), RoPE, ALiBi) x heads (32/32, 32/8, 32/4) x
 kv_len, head_dim 128, q fp16. SDPA runs the fp16 NHD shape in its natural (B, H, L, D) layout
 (enable_gqa for GQA): the peer for what a user would otherwise call. CUDA-event timing, warm-up,
 cold L2 (inputs rotated over >= 256 MB), host time hidden, median. TB/s counts K and V bytes
@@ -25,6 +25,7 @@ VARIANTS = {
     "fp16-tc": dict(layout="NHD", kv_dtype=torch.float16, mode="NONE", tensor_cores=True),
     "fp16-hnd": dict(layout="HND", kv_dtype=torch.float16, mode="NONE"),
     "fp8-e4m3": dict(layout="NHD", kv_dtype=torch.float8_e4m3fn, mode="NONE"),
+    "fp8-e4m3-tc": dict(layout="NHD", kv_dtype=torch.float8_e4m3fn, mode="NONE", tensor_cores=True),
     "rope": dict(layout="NHD", kv_dtype=torch.float16, mode="ROPE_LLAMA"),
     "rope-tc": dict(layout="NHD", kv_dtype=torch.float16, mode="ROPE_LLAMA", tensor_cores=True),
     "alibi": dict(layout="NHD", kv_dtype=torch.float16, mode="ALIBI"),
