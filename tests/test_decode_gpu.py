@@ -300,6 +300,16 @@ def test_decode_tensor_cores_fp8_kv_match_reference(case):
                 k_scale=0.9, v_scale=1.3)
 
 
+@pytest.mark.parametrize("mode", ["NONE", "ROPE_LLAMA", "ALIBI"])
+def test_decode_tensor_cores_fp8_kv_with_soft_cap_and_scales(mode):
+    """fp8 GQA runs on tensor cores by default: soft cap, all three scales and a window too."""
+    q, k, v = make_inputs(32, 4, 3000, 128, torch.bfloat16, "NHD", seed=97)
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    assert DecodeSpec.for_call(128, "bfloat16", "float8_e4m3fn", mode, True, 8).tensor_cores
+    check_modes(q, k8, v8, f"tc fp8 cap {mode}", pos_encoding_mode=mode, logits_soft_cap=30.0, sm_scale=0.07,
+                q_scale=1.3, k_scale=1.7, v_scale=0.5, window_left=2000)
+
+
 @pytest.mark.parametrize("head_dim,mode", list(itertools.product([32, 64, 96, 256], ["NONE", "ROPE_LLAMA"])))
 def test_decode_tensor_cores_fp8_kv_other_head_dims(head_dim, mode):
     """Head dims whose rows are not a multiple of four 16-byte vectors (32, 96) or whose RoPE
