@@ -42,7 +42,8 @@ class DecodeKernel(LoadedKernel):
     """A decode module, launched through its C entry point `jitattn_decode_launch` (ctypes):
     a decode step is a few microseconds of GPU work, and a boxed torch op call with 14 arguments
     cost more host time than that. The caller allocates every output; `launch` packs the
-    pointers and scalars and launches on torch's current stream of `device`."""
+    pointers and scalars and launches on torch's current stream of `device`. `tile_rows` is the
+    kernel's pipeline stage in rows (its TILE, read from the module rather than mirrored)."""
 
     def __init__(self, module):
         super().__init__(module)
@@ -53,6 +54,7 @@ class DecodeKernel(LoadedKernel):
         self._launch.restype = ctypes.c_int
         self._error = library.jitattn_decode_error
         self._error.restype = ctypes.c_char_p
+        self.tile_rows = library.jitattn_decode_tile_rows()
         size = library.jitattn_decode_params_size()
         if size != DECODE_PARAMS.size:
             raise RuntimeError(f"{module.entry.path}: DecodeParams is {size} bytes but jitattn packs "

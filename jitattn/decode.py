@@ -21,7 +21,7 @@ LAYOUTS = ("NHD", "HND")
 POS_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 
 _KV_DOC = "[kv_len, num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND)"
-_kernels: dict[tuple, tuple] = {}  # call shape -> (kernel, group tiles, tile rows, CTA budget divisor)
+_kernels: dict[tuple, tuple] = {}  # call shape -> (kernel, group tiles, CTA budget divisor)
 
 
 def single_decode_with_kv_cache(
@@ -123,14 +123,13 @@ def single_decode_with_kv_cache(
     if entry is None:
         spec = DecodeSpec.for_call(head_dim, check.DTYPE_NAMES[dtype], check.DTYPE_NAMES[kv_dtype], pos_encoding_mode,
                                    cap > 0, group_size, use_tensor_cores)
-        tile = tensor_core_rows(spec) if spec.tensor_cores else rows_per_tile(head_dim, k.element_size())
-        entry = _kernels[key] = (DecodeKernel(get_module(spec)), -(-group_size // spec.group_tile), tile,
-                                 wave_divisor(spec))
-    kernel, group_tiles, tile, divisor = entry
+        entry = _kernels[key] = (DecodeKernel(get_module(spec)), -(-group_size // spec.group_tile), wave_divisor(spec))
+    kernel, group_tiles, divisor = entry
 
     q, k, v = check.vector_ready(q), check.vector_ready(k), check.vector_ready(v)
     kv_begin = kv_len - 1 - window_left if 0 <= window_left < kv_len - 1 else 0
-    chunk_len, num_chunks = _split(kv_len - kv_begin, num_kv_heads * group_tiles, tile, kernel.capacity(device) // divisor)
+    chunk_len, num_chunks = _split(kv_len - kv_begin, num_kv_heads * group_tiles, kernel.tile_rows,
+                                   kernel.capacity(device) // divisor)
 
     q_factor = scale / cap if cap > 0 else scale * LOG2E
     # A split's partials are merged by a second kernel (merge_chunks, a programmatic dependent
@@ -158,20 +157,6 @@ def single_decode_with_kv_cache(
 def _soft_cap(value) -> float:
     """FlashInfer's convention: 0 means no cap; otherwise a finite cap > 0."""
     return 0.0 if value == 0 and not isinstance(value, bool) else check.positive_float("logits_soft_cap", value, 0.0)
-
-
-def rows_per_tile(head_dim: int, kv_element_size: int) -> int:
-    """Rows one pipeline stage holds: 128 threads, pow2(head_dim / elements per 16 bytes)
-    threads per row, 4 rows each (mirrors TILE in templates/decode/kernels.cu.j2)."""
-    lanes = 1 << (head_dim * kv_element_size // 16 - 1).bit_length()
-    return (128 // lanes) * 4
-
-
-def tensor_core_rows(spec: DecodeSpec) -> int:
-    """Rows one pipeline stage holds on the tensor-core path: 4 warps x 8 rows, or x 16 with
-    RoPE or fp8 K/V up to head_dim 128 (mirrors KEY_BLOCKS in kernels.cu.j2)."""
-    two_blocks = spec.pos_encoding == "ROPE_LLAMA" or spec.dtype_kv.startswith("float8")
-    return 64 if two_blocks and spec.head_dim <= 128 else 32
 
 
 def wave_divisor(spec: DecodeSpec) -> int:

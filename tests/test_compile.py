@@ -166,6 +166,8 @@ def test_decode_c_entry_point_loads_and_reports_errors_as_exceptions(compiled):
 
     kernel = DecodeKernel(compiled.module)
     assert DECODE_PARAMS.size == 160
+    # The split's tile comes from the module: 128 threads, 8 per 64-dim fp16 row, 4 rows each.
+    assert compiled.spec.head_dim == 64 and not compiled.spec.tensor_cores and kernel.tile_rows == 64
     if torch.cuda.is_available():
         return  # GPU tests launch it for real; CPU pointers must not reach a GPU kernel
     q = torch.zeros(4, compiled.spec.head_dim, dtype=torch.float16)

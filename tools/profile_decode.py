@@ -78,8 +78,8 @@ def sweep():
                 us = time_us(lambda: jitattn.single_decode_with_kv_cache(q, k, v), reps=20)
                 # The split this call made, from the kernel entry it used (group tiles, tile rows).
                 key = (128, torch.float16, torch.float16, "NONE", False, num_qo // num_kv, False)
-                kernel, group_tiles, tile, divisor = decode._kernels[key]
-                chunks = decode._split(kv_len, num_kv * group_tiles, tile, kernel.capacity(q.device) // divisor)[1]
+                kernel, group_tiles, divisor = decode._kernels[key]
+                chunks = decode._split(kv_len, num_kv * group_tiles, kernel.tile_rows, kernel.capacity(q.device) // divisor)[1]
                 print(f"| {num_qo}/{num_kv} L={kv_len} | {min_tiles} | {factor} | {chunks} | {us:.1f} |", flush=True)
     LoadedKernel.capacity = original
     decode.MIN_CHUNK_TILES = 2
