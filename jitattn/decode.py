@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor
 
 from jitattn import _checks as check
 from jitattn._kernel import DecodeKernel
@@ -21,7 +22,7 @@ LAYOUTS = ("NHD", "HND")
 POS_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 
 _KV_DOC = "[kv_len, num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND)"
-_kernels: dict[tuple, tuple] = {}  # call shape -> (kernel, group tiles, CTA budget divisor)
+_kernels: dict[tuple, tuple] = {}  # call shape and device -> (kernel, group tiles, split CTA budget)
 
 
 def single_decode_with_kv_cache(
@@ -56,9 +57,13 @@ def single_decode_with_kv_cache(
             q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left,
             logits_soft_cap, sm_scale, rope_scale, rope_theta)
         return (out, lse) if return_lse else out
-    q = check.tensor("q", q, 2, "[num_qo_heads, head_dim]")
-    k = check.tensor("k", k, 3, _KV_DOC)
-    v = check.tensor("v", v, 3, _KV_DOC)
+    # Host time matters here (a decode step is a few microseconds of GPU work): the common,
+    # valid case is checked inline and the named checks run only to raise or to decide.
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
+            and q.dim() == 2 and k.dim() == 3 and v.dim() == 3):
+        check.tensor("q", q, 2, "[num_qo_heads, head_dim]")
+        check.tensor("k", k, 3, _KV_DOC)
+        check.tensor("v", v, 3, _KV_DOC)
     if kv_layout != "NHD":
         check.choice("kv_layout", kv_layout, LAYOUTS)
     hnd = kv_layout == "HND"
@@ -117,19 +122,24 @@ def single_decode_with_kv_cache(
         check.cuda_device({"q": q, "k": k, "v": v})
 
     group_size = num_qo_heads // num_kv_heads
-    # The kernel for this call shape (DecodeSpec.for_call decides tensor cores and the group tile).
-    key = (head_dim, dtype, kv_dtype, pos_encoding_mode, cap > 0, group_size, use_tensor_cores)
+    # The kernel for this call shape on this device (DecodeSpec.for_call decides tensor cores and
+    # the group tile), with its group tiles and its split's CTA budget on the device.
+    device_index = q.get_device()
+    key = (head_dim, dtype, kv_dtype, pos_encoding_mode, cap > 0, group_size, use_tensor_cores, device_index)
     entry = _kernels.get(key)
     if entry is None:
         spec = DecodeSpec.for_call(head_dim, check.DTYPE_NAMES[dtype], check.DTYPE_NAMES[kv_dtype], pos_encoding_mode,
                                    cap > 0, group_size, use_tensor_cores)
-        entry = _kernels[key] = (DecodeKernel(get_module(spec)), -(-group_size // spec.group_tile), wave_divisor(spec))
-    kernel, group_tiles, divisor = entry
+        kernel = DecodeKernel(get_module(spec))
+        entry = _kernels[key] = (kernel, -(-group_size // spec.group_tile),
+                                 kernel.capacity(device) // wave_divisor(spec))
+    kernel, group_tiles, budget = entry
 
-    q, k, v = check.vector_ready(q), check.vector_ready(k), check.vector_ready(v)
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 or not (q.is_contiguous() and k.is_contiguous()
+                                                                and v.is_contiguous()):
+        q, k, v = check.vector_ready(q), check.vector_ready(k), check.vector_ready(v)
     kv_begin = kv_len - 1 - window_left if 0 <= window_left < kv_len - 1 else 0
-    chunk_len, num_chunks = _split(kv_len - kv_begin, num_kv_heads * group_tiles, kernel.tile_rows,
-                                   kernel.capacity(device) // divisor)
+    chunk_len, num_chunks = _split(kv_len - kv_begin, num_kv_heads * group_tiles, kernel.tile_rows, budget)
 
     q_factor = scale / cap if cap > 0 else scale * LOG2E
     # A split's partials are merged by a second kernel (merge_chunks, a programmatic dependent
@@ -148,7 +158,7 @@ def single_decode_with_kv_cache(
     kernel.launch(q, k, v, out, lse, workspace, k_strides, v_strides, kv_begin, kv_len, group_size, group_tiles,
                   chunk_len, num_chunks, q_factor, cap * LOG2E, 1.0 if v_scale is None else v_scale,
                   1e4 if rope_theta is None else rope_theta, 1.0 if rope_scale is None else rope_scale,
-                  q.get_device())
+                  device_index)
     if env.debug():
         torch.cuda.synchronize(device)
     return (out, lse) if return_lse else out
