@@ -41,17 +41,43 @@ __device__ __forceinline__ void rope_rotate(float (&x)[N], const float (&partner
   }
 }
 
-// Rotate, at position `pos`, two rotate-half pairs held as packed 2-element registers of T:
-// `lo` holds dims (d, d + 1) and `hi` their partners (d + D/2, d + 1 + D/2). For K fragments
-// on the tensor-core path: rotated where they are loaded, then rounded back to T for the MMA.
+// (cos, sin) of the RoPE angles of N consecutive dims at one position.
+template <int N>
+struct RopeRotation {
+  float c[N], s[N];
+};
+
+// The rotation of dims [d, d + N) at position `pos`: one sincos per dim.
+template <int N>
+__device__ __forceinline__ RopeRotation<N> rope_rotation(const RopeFreq* freq, int d, int pos) {
+  RopeRotation<N> r;
+#pragma unroll
+  for (int e = 0; e < N; ++e) __sincosf(rope_angle(static_cast<uint32_t>(pos), freq[d + e]), &r.s[e], &r.c[e]);
+  return r;
+}
+
+// Advance `r` (dims [d, d + N)) by the per-dim rotation `step` ((cos, sin) of a fixed position
+// distance): angle addition, four multiplies instead of a sincos for rows that distance apart.
+template <int N>
+__device__ __forceinline__ void rope_advance(RopeRotation<N>& r, const float2* step, int d) {
+#pragma unroll
+  for (int e = 0; e < N; ++e) {
+    const float2 t = step[d + e];
+    const float c = r.c[e] * t.x - r.s[e] * t.y;
+    r.s[e] = r.s[e] * t.x + r.c[e] * t.y;
+    r.c[e] = c;
+  }
+}
+
+// Rotate two rotate-half pairs held as packed 2-element registers of T: `lo` holds dims
+// (d, d + 1) and `hi` their partners (d + D/2, d + 1 + D/2); `r` is the rotation of (d, d + 1).
+// For K fragments on the tensor-core path: rotated where they are loaded, then rounded back to
+// T for the MMA.
 template <typename T>
-__device__ __forceinline__ void rope_rotate_pairs(uint32_t& lo, uint32_t& hi, const RopeFreq* freq, int d, int pos) {
+__device__ __forceinline__ void rope_rotate_pairs(uint32_t& lo, uint32_t& hi, const RopeRotation<2>& r) {
   const float2 x = ElemTraits<T>::to_float2(lo), y = ElemTraits<T>::to_float2(hi);
-  float s0, c0, s1, c1;
-  __sincosf(rope_angle(static_cast<uint32_t>(pos), freq[d]), &s0, &c0);
-  __sincosf(rope_angle(static_cast<uint32_t>(pos), freq[d + 1]), &s1, &c1);
-  lo = ElemTraits<T>::from_float2(x.x * c0 - y.x * s0, x.y * c1 - y.y * s1);
-  hi = ElemTraits<T>::from_float2(y.x * c0 + x.x * s0, y.y * c1 + x.y * s1);
+  lo = ElemTraits<T>::from_float2(x.x * r.c[0] - y.x * r.s[0], x.y * r.c[1] - y.y * r.s[1]);
+  hi = ElemTraits<T>::from_float2(y.x * r.c[0] + x.x * r.s[0], y.y * r.c[1] + x.y * r.s[1]);
 }
 
 // ALiBi slope of query head h out of num_heads (the ALiBi paper's, as FlashInfer indexes them).
