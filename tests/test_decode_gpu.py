@@ -96,6 +96,30 @@ def test_decode_large_logits_are_stable():
     check_decode(q, k, v, "NHD", -1, None, True, "large logits")
 
 
+# K profiles along the sequence that move each head's running max late and often: the online
+# softmax must rescale what it accumulated (a steady climb, one late spike, a late rise).
+def _shape_keys(k, q, profile):
+    n, num_kv = k.shape[0], k.shape[1]
+    if profile == "climb":  # rows scaled 0.1 -> 4: the max keeps moving
+        return k * torch.linspace(0.1, 4.0, n, device=k.device, dtype=torch.float64)[:, None, None].to(k.dtype)
+    if profile == "late_spike":  # one late row along its group's mean query: a jump of hundreds
+        k = k.clone()
+        k[n - 700] = 2 * q.view(num_kv, -1, q.shape[1]).float().mean(1).to(k.dtype)
+        return k
+    # "late_rise": the last 1000 rows x1.5, rises of a few log2 units
+    return torch.cat([k[:-1000], k[-1000:] * 1.5])
+
+
+@pytest.mark.parametrize("profile", ["climb", "late_spike", "late_rise"])
+@pytest.mark.parametrize("heads,use_tensor_cores", [((4, 4), False), ((4, 4), True), ((12, 4), False),
+                                                    ((16, 2), False)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_running_max_moving_late_and_often(profile, heads, use_tensor_cores, dtype):
+    q, k, v = make_inputs(*heads, 5000, 128, dtype, "NHD", seed=len(profile) + heads[0], q_gain=3.0)
+    check_modes(q, _shape_keys(k, q, profile), v, f"max profile {profile} {heads} tc={use_tensor_cores} {dtype}",
+                use_tensor_cores=use_tensor_cores)
+
+
 def test_decode_is_deterministic():
     q, k, v = make_inputs(32, 8, 20000, 128, torch.bfloat16, "NHD", seed=9)
     first = jitattn.single_decode_with_kv_cache(q, k, v, return_lse=True)
@@ -246,6 +270,25 @@ def test_decode_fp8_kv_matches_reference(case):
 def test_decode_fp8_kv_other_head_dims(head_dim):
     q, k, v = make_inputs(16, 4, 5000, head_dim, torch.bfloat16, "NHD", seed=head_dim)
     check_modes(q, k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), f"fp8 d{head_dim}")
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_fp8_kv_at_the_largest_values(kv_dtype, dtype):
+    """V at the fp8 type's largest magnitude (e5m2: 57344) under uniform attention (q = 0):
+    sums of thousands of such rows must stay finite and accurate, v_scale aside."""
+    largest = torch.finfo(kv_dtype).max
+    q = torch.zeros(8, 128, device="cuda", dtype=dtype)
+    k = torch.randn(3001, 8, 128, device="cuda").to(kv_dtype)
+    v = torch.full((3001, 8, 128), largest, device="cuda")
+    v[::7] = -largest  # mean 5/7 of the largest value: finite in the fp16 output
+    v = v.to(kv_dtype)
+    poison_allocator(q.numel() * q.element_size())
+    out = jitattn.single_decode_with_kv_cache(q, k, v)
+    ref, _ = single_decode_reference(q, k, v)
+    rel, _ = TOL[dtype]
+    # The outputs are ~5/7 of the largest value: the absolute bound scales with them.
+    assert_close(out, ref, rel, rel * largest, f"{kv_dtype} at {largest} q={dtype}")
 
 
 def test_decode_v_scale_scales_the_output_only():
