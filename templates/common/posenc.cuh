@@ -69,6 +69,19 @@ __device__ __forceinline__ void rope_advance(RopeRotation<N>& r, const float2* s
   }
 }
 
+// The rotation of dims [d, d + N) for key block `block` of a warp whose key blocks sit 8
+// positions apart (`step8`: (cos, sin) of 8 positions per dim): exact at `pos0` for block 0,
+// then advanced from the previous block's.
+template <int N>
+__device__ __forceinline__ void rope_key_block(RopeRotation<N>& r, int block, const RopeFreq* freq,
+                                               const float2* step8, int d, int pos0) {
+  if (block == 0) {
+    r = rope_rotation<N>(freq, d, pos0);
+  } else {
+    rope_advance(r, step8, d);
+  }
+}
+
 // Rotate two rotate-half pairs held as packed 2-element registers of T: `lo` holds dims
 // (d, d + 1) and `hi` their partners (d + D/2, d + 1 + D/2); `r` is the rotation of (d, d + 1).
 // For K fragments on the tensor-core path: rotated where they are loaded, then rounded back to
