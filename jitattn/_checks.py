@@ -89,3 +89,12 @@ def vector_ready(t: torch.Tensor) -> torch.Tensor:
         return t
     # clone, not contiguous(): a contiguous tensor at a misaligned address must be copied too.
     return t.clone(memory_format=torch.contiguous_format)
+
+
+def vectors_ready(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """vector_ready for the three inputs of an attention call, with one combined test of the
+    common case (all aligned and contiguous): a per-call host cost."""
+    if not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 and q.is_contiguous() and k.is_contiguous() \
+            and v.is_contiguous():
+        return q, k, v
+    return vector_ready(q), vector_ready(k), vector_ready(v)

@@ -135,9 +135,7 @@ def single_decode_with_kv_cache(
                                  kernel.capacity(device) // wave_divisor(spec))
     kernel, group_tiles, budget = entry
 
-    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 or not (q.is_contiguous() and k.is_contiguous()
-                                                                and v.is_contiguous()):
-        q, k, v = check.vector_ready(q), check.vector_ready(k), check.vector_ready(v)
+    q, k, v = check.vectors_ready(q, k, v)
     kv_begin = kv_len - 1 - window_left if 0 <= window_left < kv_len - 1 else 0
     chunk_len, num_chunks = _split(kv_len - kv_begin, num_kv_heads * group_tiles, kernel.tile_rows, budget)
 

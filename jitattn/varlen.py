@@ -151,7 +151,7 @@ def forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, windo
         splits = auto_splits(ctas, max_k, tile_n, kernel.capacity(args.device))
     splits = min(splits, MAX_SPLITS)
 
-    query, key, value = check.vector_ready(query), check.vector_ready(key), check.vector_ready(value)
+    query, key, value = check.vectors_ready(query, key, value)
     metadata = [t if t is None or t.is_contiguous() else t.contiguous()
                 for t in (cu_seq_q, cu_seq_k, seqused_k)]
     if block_table is not None and block_table.stride(-1) != 1:
