@@ -172,6 +172,30 @@ def test_decode_runs_on_the_current_stream():
     assert_close(out, ref, 4e-3, 2e-2, "side stream")
 
 
+@pytest.mark.parametrize("use_tensor_cores", [False, True])
+@pytest.mark.parametrize("heads,kv_len", [((32, 32), 4096), ((32, 8), 300), ((8, 8), 16)])
+def test_decode_sees_inputs_written_by_the_kernel_just_before_it(use_tensor_cores, heads, kv_len):
+    """decode_chunk is launched as a programmatic dependent of whatever kernel precedes it on the
+    stream: it must still read q and the KV row that kernel writes (a token appended right
+    before the step), never the values from before. The new last row carries q's direction at
+    a large gain, so a stale read of either changes the output far beyond the tolerance."""
+    num_qo, num_kv = heads
+    q, k, v = make_inputs(num_qo, num_kv, kv_len, 128, torch.float16, "NHD", seed=19)
+    g = torch.Generator(device="cuda").manual_seed(23)
+    for step in range(6):
+        new_q = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=g)
+        new_k = new_q.view(num_kv, num_qo // num_kv, 128).mean(1) * 4
+        new_v = torch.randn(num_kv, 128, device="cuda", dtype=v.dtype, generator=g) * 3
+        torch.cuda._sleep(200_000)  # a long kernel ahead, so the writes below finish late
+        q.copy_(new_q)
+        k[-1].copy_(new_k)
+        v[-1].copy_(new_v)  # the kernel right before the decode
+        out = jitattn.single_decode_with_kv_cache(q, k, v, use_tensor_cores=use_tensor_cores)
+        torch.cuda.synchronize()
+        ref, _ = single_decode_reference(q, k, v)
+        assert_close(out, ref, 4e-3, 2e-2, f"step {step}")
+
+
 def test_decode_cuda_graph_replay_matches_eager():
     q, k, v = make_inputs(32, 8, 4096, 128, torch.float16, "NHD", seed=17)
     eager = jitattn.single_decode_with_kv_cache(q, k, v)

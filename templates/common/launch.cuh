@@ -1,6 +1,9 @@
-// Programmatic dependent launch (sm_90+): a second kernel on the same stream is launched before
-// the first one finishes, so its launch latency hides behind the first one's tail. The
-// dependent calls wait_for_prerequisite_grid() before it reads anything the first one wrote.
+// Programmatic dependent launch (sm_90+): a kernel launched with launch_dependent may start
+// before the kernel ahead of it on the stream has finished (once that one's CTAs have all called
+// allow_dependent_launch or exited), so its launch latency hides behind the other's tail. The
+// dependent must call wait_for_prerequisite_grid() before it touches global memory the other
+// kernel may read or write; the wait returns once that kernel is complete and its writes are
+// visible (at once when there is no such kernel).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -19,10 +22,11 @@ __device__ __forceinline__ void wait_for_prerequisite_grid() {
 }
 
 template <typename Kernel, typename Params>
-void launch_dependent(Kernel kernel, int grid, int block, cudaStream_t stream, const Params& params) {
+void launch_dependent(Kernel kernel, dim3 grid, int block, cudaStream_t stream, const Params& params, size_t smem = 0) {
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(grid);
+  config.gridDim = grid;
   config.blockDim = dim3(block);
+  config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
