@@ -4,7 +4,9 @@ Rows: variant (fp16 NHD, fp16 with use_tensor_cores, fp16 HND, fp8 e4m3 KV (also
 kv_len, head_dim 128, q fp16. SDPA runs the fp16 NHD shape in its natural (B, H, L, D) layout
 (enable_gqa for GQA): the peer for what a user would otherwise call. CUDA-event timing, warm-up,
 cold L2 (inputs rotated over >= 256 MB), host time hidden, median. TB/s counts K and V bytes
-read once (fp8 rows: one byte per element).
+read once (fp8 rows: one byte per element). Then fp16 decode issued back to back (16 calls in a
+row, as a model's layers do: no event between kernels), device time per call, and the host time
+per call of a tiny decode, both beside SDPA's.
 Run: PYTHONPATH=. python tools/bench_decode.py [--quick] [--lengths 4096 32768] [--variants fp16 rope] [--host-only]
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jitattn  # noqa: E402
-from bench_util import host_us_rounds, sets_needed, time_us  # noqa: E402
+from bench_util import back_to_back_us, host_us_rounds, sets_needed, time_us  # noqa: E402
 
 VARIANTS = {
     "fp16": dict(layout="NHD", kv_dtype=torch.float16, mode="NONE"),
@@ -58,6 +60,21 @@ def bench_row(variant, num_qo, num_kv, kv_len, head_dim=128):
     return ours_us, sdpa_us, nbytes / ours_us / 1e6
 
 
+def back_to_back_row(num_qo, num_kv, kv_len, head_dim=128):
+    """fp16 NHD decode issued back to back, as a model's layers do (no event or host wait in
+    between): jitattn and SDPA per-call device time (bench_util.back_to_back_us)."""
+    ours, sdpa = [], []
+    for _ in range(sets_needed(4 * kv_len * num_kv * head_dim)):
+        q = torch.randn(num_qo, head_dim, device="cuda", dtype=torch.float16)
+        k = torch.randn(kv_len, num_kv, head_dim, device="cuda", dtype=torch.float16)
+        v = torch.randn(kv_len, num_kv, head_dim, device="cuda", dtype=torch.float16)
+        ours.append(lambda q=q, k=k, v=v: jitattn.single_decode_with_kv_cache(q, k, v))
+        qs = q.view(1, num_qo, 1, head_dim)
+        ks, vs = k.permute(1, 0, 2).contiguous().unsqueeze(0), v.permute(1, 0, 2).contiguous().unsqueeze(0)
+        sdpa.append(lambda qs=qs, ks=ks, vs=vs: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=num_qo != num_kv))
+    return back_to_back_us(ours), back_to_back_us(sdpa)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fp16 rows at 1k/4k/32k only")
@@ -83,6 +100,11 @@ def main():
                 rel = f"{ours / base:.2f}" if base and variant != "fp16" else "-"
                 print(f"| {variant} | {num_qo}/{num_kv} | {kv_len} | {ours:.1f} | {tbs:.2f} | {sdpa_cols} | {rel} |",
                       flush=True)
+    if variants:
+        print("\nback to back (16 calls in a row, each on the next input set; device us per call):")
+        for num_qo, num_kv, kv_len in [(32, 32, 4096), (32, 8, 4096), (32, 8, 32768)]:
+            ours, sdpa = back_to_back_row(num_qo, num_kv, kv_len)
+            print(f"  fp16 {num_qo}/{num_kv} kv_len {kv_len}: jitattn {ours:.1f}, SDPA {sdpa:.1f}", flush=True)
     q = torch.randn(32, 128, device="cuda", dtype=torch.float16)
     k = torch.randn(16, 32, 128, device="cuda", dtype=torch.float16)
     qs, ks = q.view(1, 32, 1, 128), k.permute(1, 0, 2).contiguous().unsqueeze(0)
