@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jitattn  # noqa: E402
-from bench_util import back_to_back_us, host_us_rounds, sets_needed, time_us  # noqa: E402
+from bench_util import host_us_rounds, sets_needed, time_us  # noqa: E402
 
 VARIANTS = {
     "fp16": dict(layout="NHD", kv_dtype=torch.float16, mode="NONE"),
@@ -62,7 +62,7 @@ def bench_row(variant, num_qo, num_kv, kv_len, head_dim=128):
 
 def back_to_back_row(num_qo, num_kv, kv_len, head_dim=128):
     """fp16 NHD decode issued back to back, as a model's layers do (no event or host wait in
-    between): jitattn and SDPA per-call device time (bench_util.back_to_back_us)."""
+    between): jitattn and SDPA per-call device time (bench_util.time_us with calls=16)."""
     ours, sdpa = [], []
     for _ in range(sets_needed(4 * kv_len * num_kv * head_dim)):
         q = torch.randn(num_qo, head_dim, device="cuda", dtype=torch.float16)
@@ -72,7 +72,7 @@ def back_to_back_row(num_qo, num_kv, kv_len, head_dim=128):
         qs = q.view(1, num_qo, 1, head_dim)
         ks, vs = k.permute(1, 0, 2).contiguous().unsqueeze(0), v.permute(1, 0, 2).contiguous().unsqueeze(0)
         sdpa.append(lambda qs=qs, ks=ks, vs=vs: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=num_qo != num_kv))
-    return back_to_back_us(ours), back_to_back_us(sdpa)
+    return time_us(ours, reps=15, calls=16), time_us(sdpa, reps=15, calls=16)
 
 
 def main():

@@ -19,43 +19,27 @@ def sets_needed(bytes_per_set: int) -> int:
     return max(2, -(-ROTATION_BYTES // bytes_per_set))
 
 
-def time_us(fns, warmup: int = 5, reps: int = 30) -> float:
+def time_us(fns, warmup: int = 5, reps: int = 30, calls: int = 1) -> float:
     """Median device time of one call in microseconds; `fns` is a list of calls on distinct
     input sets, used round-robin.
 
     Before each start event the GPU spins ~100 us, so the host has enqueued the whole call by the
     time the start event is reached: this is device time (kernels and the gaps between them).
-    Host time per call is measured separately (host_us_per_call)."""
+    Host time per call is measured separately (host_us_per_call).
+
+    calls > 1 times that many calls issued back to back between the two events (each on the next
+    input set, as a model's layers would) and reports device time per call: what a decode step
+    costs inside a pipeline, where one kernel follows another with no event or host wait between
+    them. The spin lasts 40 us per extra call, so the host stays ahead of the GPU."""
     if callable(fns):
         fns = [fns]
     for i in range(warmup):
         fns[i % len(fns)]()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i, (s, e) in enumerate(zip(starts, ends)):
-        torch.cuda._sleep(200_000)  # ~100 us at 1.98 GHz
-        s.record()
-        fns[(i + warmup) % len(fns)]()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
-
-
-def back_to_back_us(fns, calls: int = 16, reps: int = 15) -> float:
-    """Median device time per call of `calls` calls issued back to back (each on the next input
-    set, as a model's layers would), between two events after the GPU spins ~100 us: what a
-    decode step costs inside a pipeline, where one kernel follows another with no event or host
-    wait between them. The inputs are as cold as in time_us. The spin lasts 40 us per call on top,
-    so the host has enqueued every call before the first starts (device time, not host time)."""
-    if callable(fns):
-        fns = [fns]
-    for i in range(5):
-        fns[i % len(fns)]()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    n = 0
+    n = warmup
     for s, e in zip(starts, ends):
-        torch.cuda._sleep(200_000 + 80_000 * calls)
+        torch.cuda._sleep(200_000 + 80_000 * (calls - 1))  # ~100 us at 1.98 GHz, + 40 us per extra call
         s.record()
         for _ in range(calls):
             fns[n % len(fns)]()
