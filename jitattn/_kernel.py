@@ -61,11 +61,11 @@ class DecodeKernel(LoadedKernel):
                                f"{DECODE_PARAMS.size}: the module was built from other templates; rebuild it")
 
     def launch(self, q, k, v, out, lse, workspace, k_strides, v_strides, kv_begin, kv_end, group_size,
-               group_tiles, chunk_len, num_chunks, q_scale, cap_log2e, v_scale, rope_theta, rope_scale,
+               group_tiles, chunk_len, num_chunks, q_scale, cap_log2e, v_scale, rope_turns0, rope_ratio,
                device_index):
         """k_strides/v_strides: (token stride, head stride) in elements. `lse` may be None (not
         written); `workspace` holds the fp32 partials when num_chunks > 1: [chunks, heads, D] o,
-        then [chunks, heads] lse."""
+        then [chunks, heads] lse. rope_turns0/rope_ratio: see decode._rope_frequencies."""
         num_heads, head_dim = q.shape
         partial_o = partial_lse = 0
         if workspace is not None:
@@ -75,6 +75,6 @@ class DecodeKernel(LoadedKernel):
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
             partial_o, partial_lse, q.stride(0), k_strides[0], k_strides[1], v_strides[0], v_strides[1],
             kv_begin, kv_end, num_heads // group_size, group_size, group_tiles, chunk_len, num_chunks,
-            q_scale, cap_log2e, v_scale, rope_theta, rope_scale, device_index)
+            q_scale, cap_log2e, v_scale, rope_turns0, rope_ratio, device_index)
         if self._launch(params):
             raise RuntimeError(self._error().decode(errors="replace"))

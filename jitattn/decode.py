@@ -18,11 +18,13 @@ from jitattn.jit.spec import DecodeSpec
 LOG2E = 1.4426950408889634
 MAX_CHUNKS = 256  # keep in sync with templates/decode/kernels.cu.j2 (max_chunks)
 MIN_CHUNK_TILES = 2  # shortest split chunk, in pipeline tiles (see _split)
+ROPE_FULL_WAVE_TILES = 24  # RoPE on 16-bit K/V splits over a full wave from this many tiles per CTA
 LAYOUTS = ("NHD", "HND")
 POS_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 
 _KV_DOC = "[kv_len, num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND)"
-_kernels: dict[tuple, tuple] = {}  # call shape and device -> (kernel, group tiles, split CTA budget)
+# call shape and device -> (kernel, group tiles, CTAs in one wave, full_wave_min_tiles)
+_kernels: dict[tuple, tuple] = {}
 
 
 def single_decode_with_kv_cache(
@@ -123,7 +125,8 @@ def single_decode_with_kv_cache(
 
     group_size = num_qo_heads // num_kv_heads
     # The kernel for this call shape on this device (DecodeSpec.for_call decides tensor cores and
-    # the group tile), with its group tiles and its split's CTA budget on the device.
+    # the group tile), with its group tiles, the CTAs one wave of it holds on the device and
+    # when its split may use all of them.
     device_index = q.get_device()
     key = (head_dim, dtype, kv_dtype, pos_encoding_mode, cap > 0, group_size, use_tensor_cores, device_index)
     entry = _kernels.get(key)
@@ -131,13 +134,15 @@ def single_decode_with_kv_cache(
         spec = DecodeSpec.for_call(head_dim, check.DTYPE_NAMES[dtype], check.DTYPE_NAMES[kv_dtype], pos_encoding_mode,
                                    cap > 0, group_size, use_tensor_cores)
         kernel = DecodeKernel(get_module(spec))
-        entry = _kernels[key] = (kernel, -(-group_size // spec.group_tile),
-                                 kernel.capacity(device) // wave_divisor(spec))
-    kernel, group_tiles, budget = entry
+        entry = _kernels[key] = (kernel, -(-group_size // spec.group_tile), kernel.capacity(device),
+                                 full_wave_min_tiles(spec))
+    kernel, group_tiles, wave, full_wave_tiles = entry
 
     q, k, v = check.vectors_ready(q, k, v)
     kv_begin = kv_len - 1 - window_left if 0 <= window_left < kv_len - 1 else 0
-    chunk_len, num_chunks = _split(kv_len - kv_begin, num_kv_heads * group_tiles, kernel.tile_rows, budget)
+    rows, ctas_per_chunk = kv_len - kv_begin, num_kv_heads * group_tiles
+    budget = split_budget(wave, full_wave_tiles, -(-rows // kernel.tile_rows) * ctas_per_chunk)
+    chunk_len, num_chunks = _split(rows, ctas_per_chunk, kernel.tile_rows, budget)
 
     q_factor = scale / cap if cap > 0 else scale * LOG2E
     # A split's partials are merged by a second kernel (merge_chunks, a programmatic dependent
@@ -155,8 +160,7 @@ def single_decode_with_kv_cache(
         k_strides, v_strides = (k_strides[1], k_strides[0]), (v_strides[1], v_strides[0])
     kernel.launch(q, k, v, out, lse, workspace, k_strides, v_strides, kv_begin, kv_len, group_size, group_tiles,
                   chunk_len, num_chunks, q_factor, cap * LOG2E, 1.0 if v_scale is None else v_scale,
-                  1e4 if rope_theta is None else rope_theta, 1.0 if rope_scale is None else rope_scale,
-                  device_index)
+                  *_rope_frequencies(head_dim, rope_theta, rope_scale), device_index)
     if env.debug():
         torch.cuda.synchronize(device)
     return (out, lse) if return_lse else out
@@ -167,28 +171,50 @@ def _soft_cap(value) -> float:
     return 0.0 if value == 0 and not isinstance(value, bool) else check.positive_float("logits_soft_cap", value, 0.0)
 
 
-def wave_divisor(spec: DecodeSpec) -> int:
-    """The split's CTA budget is one wave / this. Half a wave, except for the kernels that do
-    per-key work beyond the dot products, which are compute-bound and want every resident CTA
-    to hide their latency (H200, D128, cold L2 split sweeps):
-    - RoPE: a full wave took it on tensor cores from 164 to 137 us (32/32, 32k) and 50 to 44
-      (32/8), and on CUDA cores -21% (32/8) and -3% (32/32);
-    - fp8 K/V on tensor cores (widening in registers): 32/8 28.4 -> 26.4 us at 32k and
-      86.6 -> 76.1 at 128k (4k: 11.6 -> 11.9).
+def _rope_frequencies(head_dim: int, rope_theta: float | None, rope_scale: float | None) -> tuple[float, float]:
+    """(turns0, ratio): dim i's RoPE frequency in turns per position is turns0 * ratio**i, i.e.
+    theta^(-2i/D) / scale / (2 pi). The kernel builds its table from these two with multiplies
+    (a double pow per dim there had been a long chain at the start of every RoPE CTA)."""
+    theta = 1e4 if rope_theta is None else rope_theta
+    scale = 1.0 if rope_scale is None else rope_scale
+    return 1.0 / (scale * 2.0 * math.pi), theta ** (-2.0 / head_dim)
+
+
+def full_wave_min_tiles(spec: DecodeSpec) -> int | None:
+    """When a kernel's split may use a full wave of CTAs rather than half of one: when every CTA
+    of the full wave would still get at least this many tiles (0: always; None: never). Half a
+    wave is best wherever the loads are the bottleneck: fewer partials to write and merge, and two
+    CTAs per SM already keep 64 KB of loads in flight. Kernels with per-key work beyond the dot
+    products want every resident CTA to hide its latency once the work per CTA is long (H200,
+    D128, cold L2 split sweeps, µs, half / full wave):
+    - RoPE on 16-bit K/V: full from 24 tiles per CTA. 32/32 32k 149 / 127 (62 tiles per CTA),
+      32/4 128k 80.3 / 72.8 (31), 32/8 128k 146 / 129; but 32/8 32k 39.4 / 40.8 (15.5),
+      32/4 32k 25.5 / 27.2, 32/8 4k 13.5 / 15.5, 32/32 4k 24.3 / 24.8 (7.8).
+    - fp8 K/V with RoPE, or on tensor cores (widening in registers): always full. fp8 + RoPE
+      32/8 32k 38.3 / 35.2, 32/32 4k 24.4 / 22.3; fp8 on tensor cores 32/8 32k 28.4 -> 26.4 and
+      128k 86.6 -> 76.1 (4k: 11.6 -> 11.9).
     Half a wave stayed best for every other kernel (fp8 on CUDA cores: 68.8 vs 69.1 at 32/32)."""
-    if spec.pos_encoding == "ROPE_LLAMA" or (spec.tensor_cores and spec.dtype_kv.startswith("float8")):
-        return 1
-    return 2
+    fp8 = spec.dtype_kv.startswith("float8")
+    if fp8 and (spec.tensor_cores or spec.pos_encoding == "ROPE_LLAMA"):
+        return 0
+    if spec.pos_encoding == "ROPE_LLAMA":
+        return ROPE_FULL_WAVE_TILES
+    return None
+
+
+def split_budget(wave: int, full_wave_tiles: int | None, cta_tiles: int) -> int:
+    """CTAs the split may use (_split's capacity): a full `wave` when `cta_tiles` (the call's
+    tiles over all of its KV heads and group tiles) give every CTA of it `full_wave_tiles` tiles
+    (full_wave_min_tiles), half a wave otherwise."""
+    return wave if full_wave_tiles is not None and cta_tiles >= full_wave_tiles * wave else wave // 2
 
 
 def _split(rows: int, ctas_per_chunk: int, tile: int, capacity: int) -> tuple[int, int]:
     """(chunk_len, num_chunks) for `rows` KV rows.
 
     Rule: the most chunks whose CTAs fit in `capacity`, which the caller sets to half a wave
-    (SMs x resident CTAs per SM, from the kernel's occupancy, / 2; a full wave for RoPE and fp8
-    on tensor cores: `wave_divisor`): never a second, partial wave, and on the H200 half a wave beat a
-    full one at every length measured, RoPE aside (fewer partials to write and
-    merge; two CTAs per SM already keep 64 KB of loads in flight). No chunk shorter than
+    (SMs x resident CTAs per SM, from the kernel's occupancy, / 2) or, for kernels with per-key
+    work and enough of it, a full wave (`split_budget`): never a second, partial wave. No chunk shorter than
     MIN_CHUNK_TILES tiles (short chunks cost more in partials and merging than they gain), and at
     most MAX_CHUNKS. One chunk means one launch and no merge. Chunks are whole tiles, so only the
     last one has a ragged end. This holds from kv_len 1 (one chunk) to 128k, MHA and GQA alike:

@@ -252,7 +252,8 @@ def test_decode_rope_chunks_long_enough_to_pipeline(dtype, kv_dtype, window):
     """RoPE on tensor cores switches to computing the next tile's logits beside the current
     tile's softmax once a chunk holds 48 tiles (PIPELINE_MIN_TILES): 32/32 at 32k + 37 has 8
     chunks of 65 and 58 tiles, with a ragged end (fp8 K/V asks for tensor cores, which MHA would
-    not pick). The window leaves chunks of 18 tiles: the other loop of the same kernel."""
+    not pick). The window leaves 141 tiles, split over half a wave (full_wave_min_tiles) in chunks of
+    36 and 33 tiles: the other loop of the same kernel."""
     q, k, v = make_inputs(32, 32, 32768 + 37, 128, dtype, "NHD", seed=31)
     check_modes(q, k.to(kv_dtype), v.to(kv_dtype), f"rope long chunks {dtype} {kv_dtype} win={window}",
                 pos_encoding_mode="ROPE_LLAMA", window_left=window, use_tensor_cores=True)

@@ -319,16 +319,32 @@ def test_split_of_32_kv_heads_at_4096_rows_fills_at_most_one_wave(head_dim):
     assert chunk_len * (chunks - 1) < 4096 <= chunk_len * chunks
 
 
-def test_split_budget_is_half_a_wave_except_rope_and_fp8_on_tensor_cores():
+def test_split_budget_is_half_a_wave_except_fp8_compute_and_long_rope():
     from jitattn.jit.spec import DecodeSpec
 
-    for spec in (DecodeSpec(128, pos_encoding="ROPE_LLAMA"), DecodeSpec(128, pos_encoding="ROPE_LLAMA", tensor_cores=True),
-                 DecodeSpec(128, dtype_kv="float8_e4m3fn", pos_encoding="ROPE_LLAMA"),
+    wave = 2 * SMS
+    for spec in (DecodeSpec(128, dtype_kv="float8_e4m3fn", pos_encoding="ROPE_LLAMA"),
                  DecodeSpec(128, dtype_kv="float8_e5m2", tensor_cores=True, group_tile=4)):
-        assert decode.wave_divisor(spec) == 1, spec  # compute-bound: full wave
+        assert decode.full_wave_min_tiles(spec) == 0, spec  # compute-bound: always a full wave
+        assert decode.split_budget(wave, 0, 1) == wave
     for spec in (DecodeSpec(128), DecodeSpec(128, pos_encoding="ALIBI"), DecodeSpec(128, tensor_cores=True),
                  DecodeSpec(128, dtype_kv="float8_e4m3fn")):
-        assert decode.wave_divisor(spec) == 2, spec
+        assert decode.full_wave_min_tiles(spec) is None, spec
+        assert decode.split_budget(wave, None, 1 << 40) == wave // 2
+    for spec in (DecodeSpec(128, pos_encoding="ROPE_LLAMA"), DecodeSpec(128, pos_encoding="ROPE_LLAMA", tensor_cores=True)):
+        tiles = decode.full_wave_min_tiles(spec)
+        assert tiles == decode.ROPE_FULL_WAVE_TILES, spec
+        assert decode.split_budget(wave, tiles, tiles * wave - 1) == wave // 2
+        assert decode.split_budget(wave, tiles, tiles * wave) == wave
+
+
+def test_rope_splits_over_a_full_wave_only_for_long_work():
+    """The H200 sweeps behind ROPE_FULL_WAVE_TILES (64-row tiles, 2 CTAs per SM): RoPE 32/32 and
+    32/8 at 128k took a full wave, 32/8 at 32k and 4k half of one."""
+    wave, tiles = 2 * SMS, decode.ROPE_FULL_WAVE_TILES
+    for kv_heads, kv_len, full in [(32, 32768, True), (8, 131072, True), (8, 32768, False), (32, 4096, False)]:
+        budget = decode.split_budget(wave, tiles, -(-kv_len // 64) * kv_heads)
+        assert budget == (wave if full else wave // 2), (kv_heads, kv_len)
 
 
 class _FakeOp:

@@ -75,11 +75,13 @@ def sweep():
             for factor in (0.5, 1, 2):
                 decode.MIN_CHUNK_TILES = min_tiles
                 LoadedKernel.capacity = lambda self, dev, f=factor: int(original(self, dev) * f * 2)
-                decode._kernels.clear()  # the entries hold the split budget from capacity()
+                decode._kernels.clear()  # the entries hold the wave from capacity()
                 us = time_us(lambda: jitattn.single_decode_with_kv_cache(q, k, v), reps=20)
                 # The split this call made, from the kernel entry it used (group tiles, budget).
                 key = (128, torch.float16, torch.float16, "NONE", False, num_qo // num_kv, False, q.get_device())
-                kernel, group_tiles, budget = decode._kernels[key]
+                kernel, group_tiles, wave, full_wave_tiles = decode._kernels[key]
+                tiles = -(-kv_len // kernel.tile_rows) * num_kv * group_tiles
+                budget = decode.split_budget(wave, full_wave_tiles, tiles)
                 chunks = decode._split(kv_len, num_kv * group_tiles, kernel.tile_rows, budget)[1]
                 print(f"| {num_qo}/{num_kv} L={kv_len} | {min_tiles} | {factor} | {chunks} | {us:.1f} |", flush=True)
     LoadedKernel.capacity = original

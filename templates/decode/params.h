@@ -17,6 +17,7 @@ struct DecodeParams {
   float q_scale;       // multiplies q: sm_scale*q_scale*k_scale*log2(e), or .../cap with a soft cap
   float cap_log2e;     // cap*log2(e) (soft cap only)
   float v_scale;       // multiplies the output
-  double rope_theta, rope_scale;
+  double rope_turns0;  // RoPE: 1 / (rope_scale * 2 pi), dim 0's turns per position
+  double rope_ratio;   // RoPE: rope_theta^(-2 / HEAD_DIM), one dim's frequency over the previous one's
   int device;
 };
