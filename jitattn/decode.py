@@ -23,7 +23,8 @@ LAYOUTS = ("NHD", "HND")
 POS_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 
 _KV_DOC = "[kv_len, num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND)"
-# call shape and device -> (kernel, group tiles, CTAs in one wave, full_wave_min_tiles)
+# call shape and device -> (kernel, group tiles, half a wave of CTAs, None or (CTAs in a wave,
+# full_wave_min_tiles): see split_budget)
 _kernels: dict[tuple, tuple] = {}
 
 
@@ -125,8 +126,7 @@ def single_decode_with_kv_cache(
 
     group_size = num_qo_heads // num_kv_heads
     # The kernel for this call shape on this device (DecodeSpec.for_call decides tensor cores and
-    # the group tile), with its group tiles, the CTAs one wave of it holds on the device and
-    # when its split may use all of them.
+    # the group tile), with its group tiles and how many CTAs its split may use on the device.
     device_index = q.get_device()
     key = (head_dim, dtype, kv_dtype, pos_encoding_mode, cap > 0, group_size, use_tensor_cores, device_index)
     entry = _kernels.get(key)
@@ -134,14 +134,16 @@ def single_decode_with_kv_cache(
         spec = DecodeSpec.for_call(head_dim, check.DTYPE_NAMES[dtype], check.DTYPE_NAMES[kv_dtype], pos_encoding_mode,
                                    cap > 0, group_size, use_tensor_cores)
         kernel = DecodeKernel(get_module(spec))
-        entry = _kernels[key] = (kernel, -(-group_size // spec.group_tile), kernel.capacity(device),
-                                 full_wave_min_tiles(spec))
-    kernel, group_tiles, wave, full_wave_tiles = entry
+        wave, full_wave_tiles = kernel.capacity(device), full_wave_min_tiles(spec)
+        entry = _kernels[key] = (kernel, -(-group_size // spec.group_tile), wave // 2,
+                                 None if full_wave_tiles is None else (wave, full_wave_tiles))
+    kernel, group_tiles, budget, full_wave = entry
 
     q, k, v = check.vectors_ready(q, k, v)
     kv_begin = kv_len - 1 - window_left if 0 <= window_left < kv_len - 1 else 0
     rows, ctas_per_chunk = kv_len - kv_begin, num_kv_heads * group_tiles
-    budget = split_budget(wave, full_wave_tiles, -(-rows // kernel.tile_rows) * ctas_per_chunk)
+    if full_wave is not None:  # a kernel with per-key work: a full wave once each CTA gets enough
+        budget = split_budget(*full_wave, -(-rows // kernel.tile_rows) * ctas_per_chunk)
     chunk_len, num_chunks = _split(rows, ctas_per_chunk, kernel.tile_rows, budget)
 
     q_factor = scale / cap if cap > 0 else scale * LOG2E
@@ -158,9 +160,11 @@ def single_decode_with_kv_cache(
     k_strides, v_strides = k.stride(), v.stride()
     if hnd:
         k_strides, v_strides = (k_strides[1], k_strides[0]), (v_strides[1], v_strides[0])
+    rope_turns0, rope_ratio = (_rope_frequencies(head_dim, rope_theta, rope_scale) if pos_encoding_mode == "ROPE_LLAMA"
+                               else _NO_ROPE)
     kernel.launch(q, k, v, out, lse, workspace, k_strides, v_strides, kv_begin, kv_len, group_size, group_tiles,
                   chunk_len, num_chunks, q_factor, cap * LOG2E, 1.0 if v_scale is None else v_scale,
-                  *_rope_frequencies(head_dim, rope_theta, rope_scale), device_index)
+                  rope_turns0, rope_ratio, device_index)
     if env.debug():
         torch.cuda.synchronize(device)
     return (out, lse) if return_lse else out
@@ -169,6 +173,9 @@ def single_decode_with_kv_cache(
 def _soft_cap(value) -> float:
     """FlashInfer's convention: 0 means no cap; otherwise a finite cap > 0."""
     return 0.0 if value == 0 and not isinstance(value, bool) else check.positive_float("logits_soft_cap", value, 0.0)
+
+
+_NO_ROPE = (0.0, 0.0)  # rope_turns0/rope_ratio of kernels without RoPE (unread)
 
 
 def _rope_frequencies(head_dim: int, rope_theta: float | None, rope_scale: float | None) -> tuple[float, float]:

@@ -79,9 +79,9 @@ def sweep():
                 us = time_us(lambda: jitattn.single_decode_with_kv_cache(q, k, v), reps=20)
                 # The split this call made, from the kernel entry it used (group tiles, budget).
                 key = (128, torch.float16, torch.float16, "NONE", False, num_qo // num_kv, False, q.get_device())
-                kernel, group_tiles, wave, full_wave_tiles = decode._kernels[key]
-                tiles = -(-kv_len // kernel.tile_rows) * num_kv * group_tiles
-                budget = decode.split_budget(wave, full_wave_tiles, tiles)
+                kernel, group_tiles, budget, full_wave = decode._kernels[key]
+                if full_wave is not None:
+                    budget = decode.split_budget(*full_wave, -(-kv_len // kernel.tile_rows) * num_kv * group_tiles)
                 chunks = decode._split(kv_len, num_kv * group_tiles, kernel.tile_rows, budget)[1]
                 print(f"| {num_qo}/{num_kv} L={kv_len} | {min_tiles} | {factor} | {chunks} | {us:.1f} |", flush=True)
     LoadedKernel.capacity = original
