@@ -259,6 +259,18 @@ def test_decode_rope_chunks_long_enough_to_pipeline(dtype, kv_dtype, window):
                 pos_encoding_mode="ROPE_LLAMA", window_left=window, use_tensor_cores=True)
 
 
+@pytest.mark.parametrize("kv_dtype,kv_lens", [(torch.float16, (6144 - 5, 6656, 20000)),
+                                               (torch.float8_e4m3fn, (25344 - 3, 27456))])
+def test_decode_prefetch_depth_on_both_sides_of_the_short_chunk_switch(kv_dtype, kv_lens):
+    """The tensor-core kernel's 6-stage rings prefetch 3 tiles on chunks of up to 12 tiles
+    (SHORT_CHUNK_TILES) and 5 on longer ones. On an H200's 132 SMs, 32/8 splits fp16 (32-row
+    tiles) into 16 chunks: 6139 rows give 12 tiles (ragged), 6656 give 13; fp8 (64-row tiles,
+    33 chunks) 12 at 25341 and 13 at 27456. Other GPUs split differently and still run both."""
+    for kv_len in kv_lens:
+        q, k, v = make_inputs(32, 8, kv_len, 128, torch.float16, "NHD", seed=kv_len)
+        check_modes(q, k.to(kv_dtype), v.to(kv_dtype), f"prefetch depth {kv_dtype} L={kv_len}")
+
+
 @pytest.mark.parametrize("case", range(len(POS_GRID)))
 def test_decode_positional_encodings_match_reference(case):
     mode, head_dim, dtype, layout, (num_qo, num_kv), kv_len = POS_GRID[case]

@@ -378,3 +378,36 @@ def test_kernel_capacity_is_sms_times_occupancy_and_is_memoized_per_device(monke
     assert kernel.capacity(device) == WAVE  # memoized: no second CUDA query
     assert props_calls == [0] and occupancy_calls == [0]
     assert kernel.capacity(torch.device("cuda", 1)) == WAVE and props_calls == [0, 1]
+
+
+# ------------------------------------------------------------------ RoPE frequencies
+def _kernel_angle(turns0: float, ratio: float, i: int, pos: int) -> float:
+    """What templates/common/posenc.cuh computes from decode._rope_frequencies' two numbers:
+    turns0 * ratio^i by squaring in doubles, as a 64-bit fixed-point fraction of a turn, then the
+    angle of `pos` from 32-bit integer products, in radians in [-pi, pi)."""
+    turns, r = turns0, ratio
+    for bit in range(8):
+        if (i >> bit) & 1:
+            turns *= r
+        r *= r
+    scaled = (turns - math.floor(turns)) * 2.0**32
+    hi = math.floor(scaled)
+    lo = math.floor((scaled - hi) * 2.0**32)
+    frac = (pos * hi + ((pos * lo) >> 32)) & 0xFFFFFFFF
+    return (frac - 2**32 if frac >= 2**31 else frac) * (2 * math.pi / 2**32)
+
+
+@pytest.mark.parametrize("head_dim", [48, 64, 128, 256])
+@pytest.mark.parametrize("theta, scale", [(None, None), (5e5, 2.0), (1e6, 4.0), (1e4, 0.25)])
+def test_rope_frequencies_give_the_spec_angles_at_long_positions(head_dim, theta, scale):
+    """The kernel's angle for dim pair i at position p is p * theta^(-2i/D) / rope_scale
+    (spec/decode.md) modulo one turn, to ~1e-6 rad even at positions near 2^31."""
+    turns0, ratio = decode._rope_frequencies(head_dim, theta, scale)
+    t, s = (1e4 if theta is None else theta), (1.0 if scale is None else scale)
+    for i in range(head_dim // 2):
+        freq = math.pow(t, -2.0 * i / head_dim) / s
+        for pos in (0, 1, 7, 4095, 131071, 2**20 + 3, 2**31 - 2):
+            exact = math.remainder(pos * freq, 2 * math.pi)  # double product: error << 1e-6 rad
+            got = _kernel_angle(turns0, ratio, i, pos)
+            diff = abs(math.remainder(got - exact, 2 * math.pi))
+            assert diff < 2e-6 * max(1.0, pos * freq / 2**25), (i, pos, got, exact)

@@ -19,4 +19,19 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
+// cp_async_wait<n> for a run-time n in [0, kMax] (n > kMax waits as for kMax): a uniform
+// branch down to the immediate form the instruction needs.
+template <int kMax>
+__device__ __forceinline__ void cp_async_wait_upto(int pending) {
+  if constexpr (kMax > 0) {
+    if (pending >= kMax) {
+      cp_async_wait<kMax>();
+    } else {
+      cp_async_wait_upto<kMax - 1>(pending);
+    }
+  } else {
+    cp_async_wait<0>();
+  }
+}
+
 }  // namespace jitattn
