@@ -18,7 +18,7 @@ from jitattn.jit.spec import DecodeSpec
 LOG2E = 1.4426950408889634
 MAX_CHUNKS = 256  # keep in sync with templates/decode/kernels.cu.j2 (max_chunks)
 MIN_CHUNK_TILES = 2  # shortest split chunk, in pipeline tiles (see _split)
-ROPE_FULL_WAVE_TILES = 24  # RoPE on 16-bit K/V splits over a full wave from this many tiles per CTA
+ROPE_FULL_WAVE_TILES = 24  # RoPE, 16-bit K/V, D128: a full wave from this many tiles per CTA
 LAYOUTS = ("NHD", "HND")
 POS_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 
@@ -194,9 +194,12 @@ def full_wave_min_tiles(spec: DecodeSpec) -> int | None:
     CTAs per SM already keep 64 KB of loads in flight. Kernels with per-key work beyond the dot
     products want every resident CTA to hide its latency once the work per CTA is long (H200,
     D128, cold L2 split sweeps, µs, half / full wave):
-    - RoPE on 16-bit K/V: full from 24 tiles per CTA. 32/32 32k 149 / 127 (62 tiles per CTA),
-      32/4 128k 80.3 / 72.8 (31), 32/8 128k 146 / 129; but 32/8 32k 39.4 / 40.8 (15.5),
-      32/4 32k 25.5 / 27.2, 32/8 4k 13.5 / 15.5, 32/32 4k 24.3 / 24.8 (7.8).
+    - RoPE on 16-bit K/V at head_dim 128: full from 24 tiles per CTA. 32/32 32k 149 / 127
+      (62 tiles per CTA), 32/4 128k 80.3 / 72.8 (31), 32/8 128k 146 / 129; but 32/8 32k
+      39.4 / 40.8 (15.5), 32/4 32k 25.5 / 27.2, 32/8 4k 13.5 / 15.5, 32/32 4k 24.3 / 24.8 (7.8).
+    - RoPE at other head dims: always full. D256 has one key block per warp (less ILP) and took
+      32/32 4k 58.0 / 44.7, 32k 392 / 267; D64 32/32 4k 18.8 / 16.8, 32/8 32k 28.4 / 26.4
+      (32/8 4k 11.1 / 11.8 the one case the other way).
     - fp8 K/V with RoPE, or on tensor cores (widening in registers): always full. fp8 + RoPE
       32/8 32k 38.3 / 35.2, 32/32 4k 24.4 / 22.3; fp8 on tensor cores 32/8 32k 28.4 -> 26.4 and
       128k 86.6 -> 76.1 (4k: 11.6 -> 11.9).
@@ -205,7 +208,7 @@ def full_wave_min_tiles(spec: DecodeSpec) -> int | None:
     if fp8 and (spec.tensor_cores or spec.pos_encoding == "ROPE_LLAMA"):
         return 0
     if spec.pos_encoding == "ROPE_LLAMA":
-        return ROPE_FULL_WAVE_TILES
+        return ROPE_FULL_WAVE_TILES if spec.head_dim == 128 else 0
     return None
 
 

@@ -319,12 +319,14 @@ def test_split_of_32_kv_heads_at_4096_rows_fills_at_most_one_wave(head_dim):
     assert chunk_len * (chunks - 1) < 4096 <= chunk_len * chunks
 
 
-def test_split_budget_is_half_a_wave_except_fp8_compute_and_long_rope():
+def test_split_budget_is_half_a_wave_except_fp8_compute_and_rope():
     from jitattn.jit.spec import DecodeSpec
 
     wave = 2 * SMS
     for spec in (DecodeSpec(128, dtype_kv="float8_e4m3fn", pos_encoding="ROPE_LLAMA"),
-                 DecodeSpec(128, dtype_kv="float8_e5m2", tensor_cores=True, group_tile=4)):
+                 DecodeSpec(128, dtype_kv="float8_e5m2", tensor_cores=True, group_tile=4),
+                 DecodeSpec(64, pos_encoding="ROPE_LLAMA", tensor_cores=True),
+                 DecodeSpec(256, pos_encoding="ROPE_LLAMA", tensor_cores=True, group_tile=4)):
         assert decode.full_wave_min_tiles(spec) == 0, spec  # compute-bound: always a full wave
         assert decode.split_budget(wave, 0, 1) == wave
     for spec in (DecodeSpec(128), DecodeSpec(128, pos_encoding="ALIBI"), DecodeSpec(128, tensor_cores=True),
