@@ -416,3 +416,17 @@ def test_each_varlen_tile_shape_compiles_and_registers_its_ops(tmp_path, monkeyp
         assert ("sm90a" in module.entry.path.parent.name) == spec.wgmma
         ops = getattr(torch.ops, loader.op_namespace(spec, module.entry.key))
         assert "block_table" in str(ops.run.default._schema) and callable(ops.ctas_per_sm)
+
+
+def test_event_floor_probe_builds(tmp_path):
+    """tools/event_floor.cu, which tools/device_check.sh builds and runs on the GPU machine,
+    compiles with this toolkit (so it cannot rot where no GPU runs it)."""
+    require_nvcc()
+    from jitattn.jit import toolchain
+
+    home, _ = toolchain.resolve_cuda_home()
+    binary = tmp_path / "event_floor"
+    result = subprocess.run([str(home / "bin" / "nvcc"), "-O2", "-arch=sm_90", str(REPO / "tools" / "event_floor.cu"),
+                             "-o", str(binary)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert binary.stat().st_size > 0

@@ -46,6 +46,10 @@ if [ $profile = 1 ]; then
 fi
 # BENCH: decode (default), varlen, all or 0; BENCH_ARGS go to each benchmark (e.g. --quick).
 bench=${BENCH:-decode}
-case "$bench" in decode|all|1) python3 tools/bench_decode.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;; esac
+case "$bench" in decode|all|1)
+  python3 tools/bench_decode.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+  # The floor under every event-timed row: launch gap behind the start event, dependent release.
+  nvcc -O2 -arch=native tools/event_floor.cu -o "$OUT/event_floor" && "$OUT/event_floor" | tee -a "$OUT/bench.log" ;;
+esac
 case "$bench" in varlen|all) python3 tools/bench_varlen.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_varlen.log" ;; esac
 exit $status
