@@ -56,7 +56,8 @@ __global__ void dependent() {
   g_sink[blockIdx.x * kThreads + threadIdx.x] = acc;
 }
 
-void launch(void (*kernel)(), int ctas, bool programmatic, cudaStream_t stream) {
+// Both kernels are launched as decode launches its own: programmatic dependents.
+void launch(void (*kernel)(), int ctas, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(ctas);
   config.blockDim = dim3(kThreads);
@@ -65,7 +66,7 @@ void launch(void (*kernel)(), int ctas, bool programmatic, cudaStream_t stream) 
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = programmatic ? 1 : 0;
+  config.numAttrs = 1;
   cudaLaunchKernelEx(&config, kernel);
 }
 
@@ -88,8 +89,8 @@ int main() {
     for (int rep = 0; rep < 60; ++rep) {
       spin<<<1, 32, 0, stream>>>(100000);  // 100 us: the host is far ahead of the GPU
       cudaEventRecord(start, stream);
-      launch(primary, kCtas, true, stream);
-      if (with_dependent) launch(dependent, kDependentCtas, true, stream);
+      launch(primary, kCtas, stream);
+      if (with_dependent) launch(dependent, kDependentCtas, stream);
       cudaEventRecord(end, stream);
       cudaStreamSynchronize(stream);
       float ms = 0.f;
