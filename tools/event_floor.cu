@@ -13,12 +13,16 @@
 #include <cstdio>
 #include <vector>
 
+#include "../templates/common/launch.cuh"  // the launch and the PDL calls decode's kernels use
+
 namespace {
 
 constexpr int kCtas = 128, kThreads = 128, kDependentCtas = 32;
 __device__ unsigned long long g_stamp[4 * 1024];  // spin end | primary start, end | dependent release, done
-__device__ float4 g_partial[kCtas * kThreads];
-__device__ float g_sink[kDependentCtas * kThreads];
+struct Buffers {
+  float4* partial;  // [kCtas * kThreads], written by primary
+  float* sink;      // [kDependentCtas * kThreads], written by dependent
+};
 
 __device__ __forceinline__ unsigned long long now() {
   unsigned long long t;
@@ -34,40 +38,26 @@ __global__ void spin(unsigned long long ns) {
 }
 
 // A decode_chunk stand-in: every CTA writes a partial and lets its dependent launch.
-__global__ void primary() {
+__global__ void primary(const Buffers b) {
   if (threadIdx.x == 0) g_stamp[1 + blockIdx.x] = now();
-  g_partial[blockIdx.x * kThreads + threadIdx.x] = make_float4(threadIdx.x, 1.f, 2.f, 3.f);
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  b.partial[blockIdx.x * kThreads + threadIdx.x] = make_float4(threadIdx.x, 1.f, 2.f, 3.f);
+  jitattn::allow_dependent_launch();
   if (threadIdx.x == 0) g_stamp[1024 + blockIdx.x] = now();
 }
 
 // A merge_chunks stand-in: waits for the primary, then reads four of its partials.
-__global__ void dependent() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+__global__ void dependent(const Buffers b) {
+  jitattn::wait_for_prerequisite_grid();
   if (threadIdx.x == 0) g_stamp[2048 + blockIdx.x] = now();
   float4 v[4];
 #pragma unroll
-  for (int k = 0; k < 4; ++k) v[k] = g_partial[((blockIdx.x * 7 + k * 33) % kCtas) * kThreads + threadIdx.x];
+  for (int k = 0; k < 4; ++k) v[k] = b.partial[((blockIdx.x * 7 + k * 33) % kCtas) * kThreads + threadIdx.x];
   float acc = 0.f;
 #pragma unroll
   for (int k = 0; k < 4; ++k) acc += v[k].x + v[k].y * v[k].z;
   __syncthreads();
   if (threadIdx.x == 0) g_stamp[3072 + blockIdx.x] = now();
-  g_sink[blockIdx.x * kThreads + threadIdx.x] = acc;
-}
-
-// Both kernels are launched as decode launches its own: programmatic dependents.
-void launch(void (*kernel)(), int ctas, cudaStream_t stream) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(ctas);
-  config.blockDim = dim3(kThreads);
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  cudaLaunchKernelEx(&config, kernel);
+  b.sink[blockIdx.x * kThreads + threadIdx.x] = acc;
 }
 
 float median(std::vector<float> x) {
@@ -80,6 +70,9 @@ float median(std::vector<float> x) {
 int main() {
   cudaStream_t stream;
   cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  Buffers buffers;
+  cudaMalloc(&buffers.partial, sizeof(float4) * kCtas * kThreads);
+  cudaMalloc(&buffers.sink, sizeof(float) * kDependentCtas * kThreads);
   cudaEvent_t start, end;
   cudaEventCreate(&start);
   cudaEventCreate(&end);
@@ -89,8 +82,8 @@ int main() {
     for (int rep = 0; rep < 60; ++rep) {
       spin<<<1, 32, 0, stream>>>(100000);  // 100 us: the host is far ahead of the GPU
       cudaEventRecord(start, stream);
-      launch(primary, kCtas, stream);
-      if (with_dependent) launch(dependent, kDependentCtas, stream);
+      jitattn::launch_dependent(primary, kCtas, kThreads, stream, buffers);  // as decode launches
+      if (with_dependent) jitattn::launch_dependent(dependent, kDependentCtas, kThreads, stream, buffers);
       cudaEventRecord(end, stream);
       cudaStreamSynchronize(stream);
       float ms = 0.f;
