@@ -5,6 +5,9 @@
 //  - primary end -> release: a programmatic dependent's griddepcontrol.wait returning after
 //    the last CTA of the kernel before it exits (decode's merge_chunks waits so);
 //  - release -> loads used: reading what the primary just wrote (the partials), from L2.
+// Then stream-only times: a plain kernel that only reads a decode row's K/V bytes from DRAM
+// (cold L2, best of 1, 2 or 4 CTAs per SM), alone and followed by the merge stand-in, timed the
+// same way: what the bytes alone cost, which decode's own overheads are judged against.
 // Build and run on the GPU machine: nvcc -O2 -arch=native tools/event_floor.cu -o /tmp/floor
 // && /tmp/floor (tools/device_check.sh does, with BENCH=decode).
 #include <cuda_runtime.h>
@@ -60,9 +63,86 @@ __global__ void dependent(const Buffers b) {
   b.sink[blockIdx.x * kThreads + threadIdx.x] = acc;
 }
 
+// Streams n16 16-byte words (grid-stride, kUnroll independent loads in flight per thread) and
+// keeps a checksum so the loads stay; lets its dependent launch like decode_chunk.
+constexpr int kUnroll = 8, kReadThreads = 512;
+struct ReadArgs {
+  const int4* src;
+  long long n16;
+  Buffers b;
+};
+__global__ void __launch_bounds__(kReadThreads) stream_read(const ReadArgs a) {
+  const int4* __restrict__ src = a.src;
+  const long long n16 = a.n16;
+  jitattn::allow_dependent_launch();
+  const long long stride = static_cast<long long>(gridDim.x) * kReadThreads;
+  int acc = 0;
+  for (long long i = blockIdx.x * static_cast<long long>(kReadThreads) + threadIdx.x; i < n16; i += kUnroll * stride) {
+    int4 w[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) w[u] = i + u * stride < n16 ? __ldcs(src + i + u * stride) : make_int4(0, 0, 0, 0);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) acc ^= w[u].x ^ w[u].y ^ w[u].z ^ w[u].w;
+  }
+  if (blockIdx.x < kCtas && threadIdx.x < kThreads)
+    a.b.partial[blockIdx.x * kThreads + threadIdx.x] = make_float4(__int_as_float(acc), 0.f, 0.f, 0.f);
+}
+
 float median(std::vector<float> x) {
   std::sort(x.begin(), x.end());
   return x[x.size() / 2];
+}
+
+// Median us between the events of `launch` (a spin first, so the host is ahead of the GPU).
+template <typename Launch>
+float event_us(cudaStream_t stream, cudaEvent_t start, cudaEvent_t end, int reps, Launch launch) {
+  std::vector<float> us;
+  for (int rep = 0; rep < reps + 5; ++rep) {
+    spin<<<1, 32, 0, stream>>>(100000);
+    cudaEventRecord(start, stream);
+    launch(rep);
+    cudaEventRecord(end, stream);
+    cudaStreamSynchronize(stream);
+    float ms = 0.f;
+    cudaEventElapsedTime(&ms, start, end);
+    if (rep >= 5) us.push_back(ms * 1e3f);  // warm-up
+  }
+  return median(us);
+}
+
+// Stream-only times of the decode rows the issue's acceptance names (head_dim 128, fp16 K, V).
+void stream_only(cudaStream_t stream, const Buffers& buffers, cudaEvent_t start, cudaEvent_t end) {
+  struct Row { const char* name; long long bytes; };
+  const Row rows[] = {{"32/8 4k", 2ll * 4096 * 8 * 128 * 2}, {"32/32 4k", 2ll * 4096 * 32 * 128 * 2},
+                      {"32/8 32k", 2ll * 32768 * 8 * 128 * 2}, {"32/32 32k", 2ll * 32768 * 32 * 128 * 2}};
+  const long long rotation = 256ll << 20;  // input sets cover this much: no call finds its bytes in L2
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  for (const Row& row : rows) {
+    const int sets = static_cast<int>(std::max(2ll, (rotation + row.bytes - 1) / row.bytes));
+    int4* pool = nullptr;
+    if (cudaMalloc(&pool, row.bytes * sets) != cudaSuccess) {
+      std::printf("stream only, %s: no memory for %d input sets\n", row.name, sets);
+      return;
+    }
+    cudaMemset(pool, 0x5a, row.bytes * sets);  // not zeros: real data
+    const long long n16 = row.bytes / 16;
+    std::printf("stream only, %s K/V (%.1f MB), 1 / 2 / 4 CTAs per SM, us between the events:", row.name,
+                row.bytes / 1e6);
+    for (const bool with_merge : {false, true}) {
+      std::printf(with_merge ? "; with a dependent merge" : "");
+      for (const int per_sm : {1, 2, 4}) {
+        const int grid = per_sm * sms;
+        std::printf(" %.2f", event_us(stream, start, end, 40, [&](int rep) {
+          const ReadArgs args{pool + (rep % sets) * n16, n16, buffers};
+          jitattn::launch_dependent(stream_read, grid, kReadThreads, stream, args);
+          if (with_merge) jitattn::launch_dependent(dependent, kDependentCtas, kThreads, stream, buffers);
+        }));
+      }
+    }
+    std::printf("\n");
+    cudaFree(pool);
+  }
 }
 
 }  // namespace
@@ -107,6 +187,7 @@ int main() {
     if (with_dependent) std::printf("; primary end -> release %.2f us; release -> loads used %.2f us", median(release), median(loads));
     std::printf("\n");
   }
+  stream_only(stream, buffers, start, end);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
     std::printf("CUDA error: %s\n", cudaGetErrorString(err));
