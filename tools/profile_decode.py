@@ -2,6 +2,7 @@
 
 PYTHONPATH=. python tools/profile_decode.py            # host breakdown + sweep table
 PYTHONPATH=. python tools/profile_decode.py --ncu-case # one launch per shape, for ncu
+PYTHONPATH=. python tools/profile_decode.py --idle-sms # what a 128-CTA split's idle SMs cost
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jitattn  # noqa: E402
 import jitattn.decode as decode  # noqa: E402
 from jitattn._kernel import LoadedKernel  # noqa: E402  (capacity, patched by the sweep)
-from bench_util import host_us_per_call, time_us  # noqa: E402
+from bench_util import host_us_per_call, sets_needed, time_us  # noqa: E402
 
 SHAPES = [(32, 32, 4096), (32, 32, 32768), (32, 8, 1024), (32, 8, 4096), (32, 8, 32768)]
 
@@ -89,6 +90,23 @@ def sweep():
     decode._kernels.clear()
 
 
+def idle_sms():
+    """At 32k the split leaves the H200's 132 SMs unevenly loaded: 32/8 runs 128 CTAs (8 KV heads
+    x 16 chunks), 4 SMs idle; 32/32 runs 256 (32 x 8), two on 124 SMs and one on 8. The same
+    split over 31744 rows gives every CTA the 3% less work that a split loading all SMs evenly
+    would: the time saved bounds what such a split could gain."""
+    for num_qo, num_kv in [(32, 8), (32, 32)]:
+        times = {}
+        for _round in range(2):
+            for kv_len in (32768, 31744):
+                sets = [inputs(num_qo, num_kv, kv_len) for _ in range(sets_needed(4 * kv_len * num_kv * 128))]
+                fns = [lambda s=s: jitattn.single_decode_with_kv_cache(*s) for s in sets]
+                times.setdefault(kv_len, []).append(time_us(fns, reps=60))
+                del sets, fns
+        print(f"{num_qo}/{num_kv}: " + " | ".join(f"kv_len {n}: " + " / ".join(f"{t:.2f}" for t in ts) + " us"
+                                                 for n, ts in times.items()))
+
+
 def ncu_case():
     for num_qo, num_kv, kv_len in [(32, 32, 32768), (32, 8, 32768)]:
         q, k, v = inputs(num_qo, num_kv, kv_len)
@@ -99,8 +117,12 @@ def ncu_case():
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--ncu-case", action="store_true")
-    if parser.parse_args().ncu_case:
+    parser.add_argument("--idle-sms", action="store_true")
+    args = parser.parse_args()
+    if args.ncu_case:
         ncu_case()
+    elif args.idle_sms:
+        idle_sms()
     else:
         host_breakdown()
         kernel_breakdown()
