@@ -238,7 +238,14 @@ def _split(rows: int, ctas_per_chunk: int, tile: int, capacity: int) -> tuple[in
     reads tiles c, c + n, ...: every CTA of a head in one narrow address window) ran no faster
     (32/8 4k 11.1 / 11.1, 32k 37.8 / 37.7; 32/32 32k 122.1 / 124.0), and 33 chunks at 32/8,
     which fill 2 CTAs on every SM, ran slower than this rule's 16 (32k 38.5-38.8 vs 37.6,
-    8k 15.7-15.8 vs 15.0): more partials cost more than the 4 idle SMs of a 128-CTA split."""
+    8k 15.7-15.8 vs 15.0): more partials cost more than the 4 idle SMs of a 128-CTA split.
+    Nor did CTAs sharing all heads' tiles evenly (132 at 32/8, 264 at 32/32), where a share that
+    ends one KV head merges its states and restarts the ring on the next (its first tiles issued
+    during that merge): the restart costs about a loaded memory latency, more than the 3% it
+    balances (32/8 32k 40.6-40.9 vs 38.8 with the same kernel and this rule's 128 CTAs; 32/32
+    32k 129.2-129.5 vs 125.0; 4k 12.4 / 24.0 vs 11.7 / 23.2), and the segment loop alone cost
+    the kernel ~1 us (38.8 vs 37.9 at 32/8 32k). An even split needs the ring to run on across
+    the head change, with the finished head's states merged outside the ring's memory."""
     tiles = -(-rows // tile)
     chunks = max(1, min(capacity // ctas_per_chunk, -(-tiles // MIN_CHUNK_TILES), MAX_CHUNKS))
     chunk_len = -(-tiles // chunks) * tile
