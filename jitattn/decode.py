@@ -243,8 +243,10 @@ def _split(rows: int, ctas_per_chunk: int, tile: int, capacity: int) -> tuple[in
     ends one KV head merges its states and restarts the ring on the next (its first tiles issued
     during that merge): the restart costs about a loaded memory latency, more than the 3% it
     balances (32/8 32k 40.6-40.9 vs 38.8 with the same kernel and this rule's 128 CTAs; 32/32
-    32k 129.2-129.5 vs 125.0; 4k 12.4 / 24.0 vs 11.7 / 23.2), and the segment loop alone cost
-    the kernel ~1 us (38.8 vs 37.9 at 32/8 32k). An even split needs the ring to run on across
+    32k 129.2-129.5 vs 125.0; 4k 12.4 / 24.0 vs 11.7 / 23.2), and that kernel cost 0.5-1 us more
+    than this one even on this rule's split (32/8 4k 11.7 vs 11.2, 32k 38.5 vs 37.4; 32/32 4k
+    23.0 vs 22.1, 32k 122.8 vs 121.8), with its 64-bit share arithmetic or its merge batch of 5
+    back as here alike: the cost sits in the segment loop itself. An even split needs the ring to run on across
     the head change, with the finished head's states merged outside the ring's memory."""
     tiles = -(-rows // tile)
     chunks = max(1, min(capacity // ctas_per_chunk, -(-tiles // MIN_CHUNK_TILES), MAX_CHUNKS))
