@@ -130,7 +130,7 @@ void stream_only(cudaStream_t stream, const Buffers& buffers, cudaEvent_t start,
     std::printf("stream only, %s K/V (%.1f MB), 1 / 2 / 4 CTAs per SM, us between the events:", row.name,
                 row.bytes / 1e6);
     for (const bool with_merge : {false, true}) {
-      std::printf(with_merge ? "; with a dependent merge" : "");
+      if (with_merge) std::printf("; with a dependent merge");
       for (const int per_sm : {1, 2, 4}) {
         const int grid = per_sm * sms;
         std::printf(" %.2f", event_us(stream, start, end, 40, [&](int rep) {
