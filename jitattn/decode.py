@@ -247,8 +247,8 @@ def _split(rows: int, ctas_per_chunk: int, tile: int, capacity: int) -> tuple[in
     than this one even on this rule's split (32/8 4k 11.7 vs 11.2, 32k 38.5 vs 37.4; 32/32 4k
     23.0 vs 22.1, 32k 122.8 vs 121.8), with its 64-bit share arithmetic or its merge batch of 5
     back as here alike, and 0.3-0.7 us of it stayed with one segment and no loop: the cost is
-    spread over the restructure. An even split needs the ring to run on across
-    the head change, with the finished head's states merged outside the ring's memory."""
+    spread over the restructure. An even split needs the ring to run on across the head change,
+    with the finished head's states merged outside the ring's memory."""
     tiles = -(-rows // tile)
     chunks = max(1, min(capacity // ctas_per_chunk, -(-tiles // MIN_CHUNK_TILES), MAX_CHUNKS))
     chunk_len = -(-tiles // chunks) * tile

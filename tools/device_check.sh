@@ -48,7 +48,8 @@ fi
 bench=${BENCH:-decode}
 case "$bench" in decode|all|1)
   python3 tools/bench_decode.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
-  # The floor under every event-timed row: launch gap behind the start event, dependent release.
+  # The floor under every event-timed row (launch gap behind the start event, dependent release)
+  # and what streaming each acceptance row's bytes alone costs.
   floor_bin=$(mktemp /tmp/event_floor-XXXX)  # not under $OUT: only logs come back
   nvcc -O2 -arch=native tools/event_floor.cu -o "$floor_bin" && "$floor_bin" | tee -a "$OUT/bench.log" ;;
 esac
