@@ -1,7 +1,8 @@
 """jitattn: attention kernels generated and compiled per specialization, cached on disk.
 
 The API functions are imported on first use, so the command line and the cache tools start
-without importing torch.
+without importing torch. Each kernel family is one folder (jitattn/decode, jitattn/varlen); the
+compiler service that builds, caches and loads their kernels (jitattn/jit) knows none of them.
 """
 from jitattn._log import setup_logging
 from jitattn.errors import (
@@ -27,10 +28,10 @@ __all__ = [
     "varlen_attn_out",
 ]
 _LAZY = {
-    "single_decode_with_kv_cache": "jitattn.decode",
-    "varlen_attn": "jitattn.varlen",
-    "varlen_attn_out": "jitattn.varlen",
-    "AuxRequest": "jitattn.varlen_checks",
+    "single_decode_with_kv_cache": "jitattn.decode.api",
+    "varlen_attn": "jitattn.varlen.api",
+    "varlen_attn_out": "jitattn.varlen.api",
+    "AuxRequest": "jitattn.varlen.checks",
 }
 
 

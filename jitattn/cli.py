@@ -11,7 +11,8 @@ from pathlib import Path
 
 from jitattn.jit import cache, env, keys, toolchain
 from jitattn.jit.manifest import expand, read_manifest, unique
-from jitattn.jit.spec import DecodeSpec, KernelSpec, spec_from_dict
+from jitattn.jit.registry import spec_from_dict
+from jitattn.jit.spec import KernelSpec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +111,8 @@ def _specs_from_args(args) -> list[KernelSpec]:
         specs += [spec_from_dict(d) for d in expand(data)]
     if args.head_dim:
         for d, dt, kv, gs, cap in _cross(args):
-            specs.append(DecodeSpec.for_call(d, dt, kv or dt, "NONE", cap, gs))
+            specs.append(spec_from_dict({"family": "decode", "head_dim": d, "dtype_q": dt, "dtype_kv": kv or dt,
+                                         "soft_cap": cap, "group_size": gs}))
     elif args.dtype or args.group_size or args.kv_dtype:
         raise ValueError("decode flags need --head-dim")
     return unique(specs)

@@ -147,7 +147,7 @@ BUILDER = r"""
 import json, os, sys, time
 import torch, torch.utils.cpp_extension, jinja2, filelock
 from jitattn.jit import cache, loader
-from jitattn.jit.spec import spec_from_dict
+from jitattn.jit.registry import spec_from_dict
 print("ready", os.getpid(), flush=True)
 spec = spec_from_dict(json.loads(sys.stdin.readline()))
 

@@ -21,7 +21,7 @@ import pytest
 
 from jitattn import cli
 from jitattn.jit import artifact, cache, keys, loader, manifest
-from jitattn.jit.spec import DecodeSpec
+from jitattn.decode.spec import DecodeSpec
 
 TARGET = keys.BuildTarget(("9.0",), "13.0.88", "gcc 12.2.0")
 SPEC_A = DecodeSpec(head_dim=128)

@@ -13,7 +13,7 @@ import pytest
 
 from jitattn.errors import MissingSpecializationError
 from jitattn.jit import cache, keys, loader, render
-from jitattn.jit.spec import DecodeSpec
+from jitattn.decode.spec import DecodeSpec
 from tests.corruptions import CORRUPTIONS, _flip_byte, _manifest_of_another_key
 
 NAME = "decode_f16_kvf16_d128_posnone_cap0_g1"

@@ -19,7 +19,7 @@ import pytest
 from jitattn import cli
 from jitattn.jit import cache, env, keys, loader, manifest, record, toolchain
 from jitattn.jit.prewarm import Outcome
-from jitattn.jit.spec import DecodeSpec
+from jitattn.decode.spec import DecodeSpec
 from tests.conftest import require_nvcc
 
 REPO = Path(__file__).resolve().parent.parent

@@ -24,7 +24,8 @@ import jitattn
 from jitattn.errors import CacheNotWritable, JitCompileError, MissingSpecializationError
 from jitattn.jit import cache, keys, loader, record, render
 from jitattn.jit.manifest import read_manifest
-from jitattn.jit.spec import DecodeSpec, VarlenSpec
+from jitattn.decode.spec import DecodeSpec
+from jitattn.varlen.spec import VarlenSpec
 from tests.conftest import require_nvcc
 
 pytestmark = pytest.mark.compile
@@ -55,11 +56,9 @@ def _fresh_memos(monkeypatch):
         monkeypatch.delenv("CUDA_HOME")
     monkeypatch.setattr(loader, "_modules", {})
     monkeypatch.setattr(record, "_recorded", set())
-    import jitattn.decode as decode
+    import jitattn.decode.api as decode_api
 
-    for memo in ("_modules", "_kernels"):
-        if hasattr(decode, memo):
-            monkeypatch.setattr(decode, memo, {})
+    monkeypatch.setattr(decode_api, "_kernels", {})
 
 
 def use_cache(monkeypatch, root: Path) -> None:
@@ -162,7 +161,7 @@ def test_decode_c_entry_point_loads_and_reports_errors_as_exceptions(compiled):
     back as a RuntimeError, never as an exception crossing the C boundary."""
     import torch
 
-    from jitattn._kernel import DECODE_PARAMS, DecodeKernel
+    from jitattn.decode.launch import DECODE_PARAMS, DecodeKernel
 
     kernel = DecodeKernel(compiled.module)
     assert DECODE_PARAMS.size == 160
@@ -182,7 +181,7 @@ def test_warm_load_in_a_new_process_compiles_nothing_and_starts_no_subprocess(co
         import torch  # the budget is counted from after `import torch`
         import jitattn
         from jitattn.jit import loader
-        from jitattn.jit.spec import spec_from_dict
+        from jitattn.jit.registry import spec_from_dict
 
         def forbidden(*args, **kwargs):
             raise AssertionError(f"the warm path started a subprocess: {{args!r}}")
@@ -215,7 +214,7 @@ def test_warm_load_in_a_new_process_compiles_nothing_and_starts_no_subprocess(co
 FORCED_REBUILD = """
     import json
     from jitattn.jit import cache, loader
-    from jitattn.jit.spec import spec_from_dict
+    from jitattn.jit.registry import spec_from_dict
 
     spec = spec_from_dict({spec!r})
     {before}

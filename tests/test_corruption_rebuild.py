@@ -18,7 +18,7 @@ import pytest
 
 from jitattn.errors import JitCompileError, MissingSpecializationError
 from jitattn.jit import cache, keys, loader, render
-from jitattn.jit.spec import DecodeSpec
+from jitattn.decode.spec import DecodeSpec
 from tests.conftest import require_nvcc
 from tests.procs import ARCH, ARCH_TAG, REPO, child_env, last_json, run_child, tree
 from tests.corruptions import CORRUPTIONS
@@ -31,7 +31,7 @@ OTHER = DecodeSpec(head_dim=64, soft_cap=True, group_tile=8)
 BUILD_BOTH = """
     import json, sys
     from jitattn.jit import loader
-    from jitattn.jit.spec import spec_from_dict
+    from jitattn.jit.registry import spec_from_dict
     entries = [str(loader.build_spec(spec_from_dict(s))[0].entry.path) for s in json.loads(sys.argv[1])]
     print(json.dumps({"entries": entries, "compiles": loader.COMPILE_COUNT}))
 """
@@ -43,7 +43,7 @@ GET_RECORDING_LOADS = """
     from pathlib import Path
     import torch
     from jitattn.jit import cache, loader
-    from jitattn.jit.spec import spec_from_dict
+    from jitattn.jit.registry import spec_from_dict
     loads = []
     real_load_library = torch.ops.load_library
     def load_library(path):
@@ -157,7 +157,7 @@ RETRY_BROKEN = """
     from pathlib import Path
     from jitattn.errors import JitCompileError
     from jitattn.jit import loader, render
-    from jitattn.jit.spec import spec_from_dict
+    from jitattn.jit.registry import spec_from_dict
     broken = Path(sys.argv[2])
     render.templates_dir = lambda: broken
     t0 = time.perf_counter()

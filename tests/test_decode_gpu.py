@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import jitattn
-from jitattn._checks import DTYPE_NAMES
-from jitattn.jit.spec import DecodeSpec
+from jitattn.checks import DTYPE_NAMES
+from jitattn.decode.spec import DecodeSpec
 from jitattn.reference import single_decode_reference
 from tests.gpu_utils import assert_close, poison_allocator
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from jitattn.jit.manifest import expand
-from jitattn.jit.spec import DecodeSpec, spec_from_dict
+from jitattn.decode.spec import DecodeSpec
+from jitattn.jit.registry import spec_from_dict
 from jitattn.reference import single_decode_reference
 from tests.gpu_utils import assert_close, poison_allocator
 from tests.varlen_utils import DEVICE

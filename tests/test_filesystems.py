@@ -20,7 +20,7 @@ import pytest
 
 from jitattn.errors import CacheNotWritable
 from jitattn.jit import cache, env, keys
-from jitattn.jit.spec import DecodeSpec
+from jitattn.decode.spec import DecodeSpec
 from tests.conftest import require_nvcc
 from tests.procs import ARCH_TAG, REPO, child_env, last_json, make_read_only, make_writable, run_child, tree, \
     unprivileged_prefix
@@ -32,7 +32,7 @@ OTHER = DecodeSpec(head_dim=128, dtype_q="bfloat16", dtype_kv="bfloat16")
 GET = """
     import json, sys
     from jitattn.jit import cache, loader
-    from jitattn.jit.spec import spec_from_dict
+    from jitattn.jit.registry import spec_from_dict
     report = {}
     try:
         module = loader.get_module(spec_from_dict(json.loads(sys.argv[1])))

@@ -1,9 +1,10 @@
-"""The custom ops (jitattn/ops.py) on a GPU: opcheck, torch.compile(fullgraph=True), CUDA graphs."""
+"""The custom ops (jitattn/varlen/ops.py, jitattn/decode/api.py) on a GPU: opcheck, torch.compile(fullgraph=True), CUDA graphs."""
 import pytest
 import torch
 
 import jitattn
-import jitattn.ops  # noqa: F401  (registers torch.ops.jitattn.*)
+import jitattn.decode.api  # noqa: F401  (registers torch.ops.jitattn.single_decode_with_kv_cache)
+import jitattn.varlen.ops  # noqa: F401  (registers torch.ops.jitattn.varlen_attn*)
 from jitattn.reference import single_decode_reference, varlen_attn_reference
 from tests.gpu_utils import assert_close
 

@@ -29,7 +29,7 @@ import pytest
 
 from jitattn.jit import cache, keys, loader
 from jitattn.jit.lock import key_lock
-from jitattn.jit.spec import DecodeSpec
+from jitattn.decode.spec import DecodeSpec
 from tests.conftest import require_nvcc
 from tests.procs import ARCH, ARCH_TAG, REPO, Builder, child_env, last_json, run_child
 
@@ -250,7 +250,7 @@ RECOVER = """
     from pathlib import Path
     import torch
     from jitattn.jit import cache, loader
-    from jitattn.jit.spec import spec_from_dict
+    from jitattn.jit.registry import spec_from_dict
     unverified_loads = []  # libraries loaded from an entry dir that did not verify at that moment
     real_load_library = torch.ops.load_library
     def load_library(path):

@@ -16,7 +16,9 @@ import pytest
 
 from jitattn.errors import ToolchainError
 from jitattn.jit import keys, render, toolchain
-from jitattn.jit.spec import DecodeSpec, VarlenSpec, spec_from_dict
+from jitattn.decode.spec import DecodeSpec
+from jitattn.jit.registry import spec_from_dict
+from jitattn.varlen.spec import VarlenSpec
 
 TARGET = keys.BuildTarget(("9.0",), "13.0.88", "gcc 12.2.0")
 DECODE_ENTRY_POINTS = tuple(sorted(DecodeSpec.sources.values()))
@@ -117,7 +119,7 @@ def test_key_does_not_depend_on_the_process():
     spec = DecodeSpec(head_dim=64, dtype_q="bfloat16", dtype_kv="bfloat16", soft_cap=True, group_tile=4)
     here = keys.key_of(keys.components(spec, TARGET))
     code = (
-        "from jitattn.jit import keys; from jitattn.jit.spec import DecodeSpec;"
+        "from jitattn.jit import keys; from jitattn.decode.spec import DecodeSpec;"
         "s = DecodeSpec(head_dim=64, dtype_q='bfloat16', dtype_kv='bfloat16', soft_cap=True, group_tile=4);"
         "print(keys.key_of(keys.components(s, keys.BuildTarget(('9.0',), '13.0.88', 'gcc 12.2.0'))))"
     )

@@ -1,4 +1,4 @@
-"""varlen_attn's backward pass on the CPU (runs in CI): the math of jitattn/varlen_backward.py
+"""varlen_attn's backward pass on the CPU (runs in CI): the math of jitattn/varlen/backward.py
 against autograd through the float64 reference, the autograd wiring of jitattn::varlen_attn with a
 stand-in for the CUDA forward, and the calls that must refuse grad (paged KV, varlen_attn_out).
 
@@ -10,11 +10,12 @@ import pytest
 import torch
 
 import jitattn
-import jitattn.ops  # noqa: F401  (registers torch.ops.jitattn.*)
-from jitattn import _checks
-from jitattn import varlen as varlen_module
+import jitattn.varlen.ops  # noqa: F401  (registers torch.ops.jitattn.varlen_attn*)
+from jitattn import checks as _checks
+from jitattn.varlen import api as varlen_api
+from jitattn.varlen import ops as varlen_ops
 from jitattn.reference import varlen_attn_reference
-from jitattn.varlen_backward import CHUNK_ELEMENTS, varlen_attn_backward
+from jitattn.varlen.backward import CHUNK_ELEMENTS, varlen_attn_backward
 
 F16, BF16, F32, F64, I32 = torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32
 
@@ -155,7 +156,7 @@ def test_backward_op_opcheck():
 # ---------------------------------------------------------------- autograd wiring, with a stand-in forward
 def standin_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa,
                     seqused_k, block_table, num_splits, return_aux, out=None):
-    """jitattn.varlen.forward's contract, computed by the reference (any device)."""
+    """jitattn.varlen.forward.forward's contract, computed by the reference (any device)."""
     o, lse = varlen_attn_reference(query.detach(), key.detach(), value.detach(), cu_seq_q, cu_seq_k, max_q, max_k,
                                    scale=scale, window_size=window_size, seqused_k=seqused_k,
                                    block_table=block_table)
@@ -171,10 +172,11 @@ def standin_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scal
 
 @pytest.fixture
 def standin(monkeypatch):
-    """jitattn.varlen.forward replaced by the reference; the CUDA-device check accepts CPU
+    """jitattn.varlen.forward.forward replaced by the reference (where the API and the ops call it); the CUDA-device check accepts CPU
     tensors (the fake kernels call it): the ops and their autograd formula run on the CPU."""
     standin_forward.calls = []
-    monkeypatch.setattr(varlen_module, "forward", standin_forward)
+    monkeypatch.setattr(varlen_api, "forward", standin_forward)
+    monkeypatch.setattr(varlen_ops, "forward", standin_forward)
     monkeypatch.setattr(_checks, "cuda_device", lambda named: next(iter(named.values())).device)
     return standin_forward
 

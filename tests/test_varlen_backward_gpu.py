@@ -1,5 +1,5 @@
 """varlen_attn's backward pass on a GPU (skipped without one): gradients of the real kernels'
-forward + jitattn/varlen_backward.py against autograd through the float64 reference.
+forward + jitattn/varlen/backward.py against autograd through the float64 reference.
 
 Each test makes float64 leaf copies of the inputs, runs jitattn.reference.varlen_attn_reference
 on them and backpropagates the same random grad_out. Key/value rows that must not be read hold
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import jitattn
-import jitattn.ops  # noqa: F401  (registers torch.ops.jitattn.*)
+import jitattn.varlen.ops  # noqa: F401  (registers torch.ops.jitattn.varlen_attn*)
 from jitattn.reference import varlen_attn_reference
 from tests.gpu_utils import rel_error
 from tests.varlen_utils import DEVICE, Batch, make_batch

@@ -461,11 +461,11 @@ def _batch_with_a_bad_page(bad_id):
 def test_debug_mode_catches_an_out_of_range_page_id_on_the_device(monkeypatch, bad_id):
     """JITATTN_DEBUG=1: the kernel reports the bad page id (the host-side value check is switched
     off here, so only the device-side check can catch it) and the call raises naming block_table."""
-    import jitattn.varlen as varlen_module
+    import jitattn.varlen.forward as forward_module
 
     b, table = _batch_with_a_bad_page(bad_id)
     monkeypatch.setenv("JITATTN_DEBUG", "1")
-    monkeypatch.setattr(varlen_module, "check_varlen_values", lambda *a, **k: None)
+    monkeypatch.setattr(forward_module, "check_varlen_values", lambda *a, **k: None)
     with pytest.raises(ValueError, match=r"block_table\[1, 2\].*caught on the device"):
         jitattn.varlen_attn(b.query, b.key, b.value, b.cu_seq_q, None, b.max_q, b.max_k, enable_gqa=True,
                             seqused_k=b.seqused_k, block_table=table)

@@ -1,4 +1,4 @@
-"""How varlen_attn plans a launch (jitattn/varlen.py), on CPU: which specialization (tile shape),
+"""How varlen_attn plans a launch (jitattn/varlen/forward.py and plan.py), on CPU: which specialization (tile shape),
 GQA packing, row blocks, KV splits and arguments reach the kernel. The module and the device
 are stand-ins that record the launch; the kernels themselves are tested on the GPU."""
 import math
@@ -7,9 +7,11 @@ import types
 import pytest
 import torch
 
-import jitattn.varlen as varlen
-from jitattn import _checks
-from jitattn.jit.spec import VarlenSpec
+import jitattn.varlen.forward as varlen
+from jitattn.varlen import plan
+from jitattn.varlen.checks import AuxRequest
+from jitattn import checks as _checks
+from jitattn.varlen.spec import VarlenSpec
 
 SMS, CTAS_PER_SM = 132, 2
 HALF_WAVE = SMS * CTAS_PER_SM // 2
@@ -35,7 +37,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(_checks, "cuda_device", lambda named: torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda index: types.SimpleNamespace(multi_processor_count=SMS))
-    monkeypatch.setattr(varlen, "_hopper", {})
+    monkeypatch.setattr(plan, "_hopper", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))  # an A100
     monkeypatch.delenv("JITATTN_DEBUG", raising=False)
     monkeypatch.delenv("JITATTN_WGMMA", raising=False)
@@ -43,7 +45,7 @@ def launches(monkeypatch):
 
 
 def on_hopper(monkeypatch):
-    monkeypatch.setattr(varlen, "_hopper", {})
+    monkeypatch.setattr(plan, "_hopper", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
 
 
@@ -79,7 +81,7 @@ def test_a_small_decode_batch_splits_the_keys_to_fill_half_a_wave(launches):
 
 def test_splits_never_make_chunks_shorter_than_two_tiles(launches):
     _, run = launch(launches, **batch([1], [300]))  # 8 CTAs; 300 keys are 5 tiles of 64
-    assert run["splits"] == math.ceil(300 / (64 * varlen.MIN_SPLIT_TILES)) == 3
+    assert run["splits"] == math.ceil(300 / (64 * plan.MIN_SPLIT_TILES)) == 3
 
 
 def test_prefill_batches_take_the_prefill_shape_and_never_split(launches):
@@ -103,7 +105,7 @@ def test_one_split_always_takes_the_prefill_shape_so_results_do_not_depend_on_th
 
 def test_explicit_splits_are_kept_up_to_the_kernel_limit(launches):
     assert launch(launches, **batch([1], [9000]), num_splits=3)[1]["splits"] == 3
-    assert launch(launches, **batch([1], [9000]), num_splits=1000)[1]["splits"] == varlen.MAX_SPLITS
+    assert launch(launches, **batch([1], [9000]), num_splits=1000)[1]["splits"] == plan.MAX_SPLITS
 
 
 def test_paged_batches_take_the_paged_specialization(launches):
@@ -119,7 +121,7 @@ def test_paged_batches_take_the_paged_specialization(launches):
 
 def test_scale_window_and_lse_reach_the_kernel(launches):
     _, run = launch(launches, **batch([20], [50]), scale=0.25, window_size=(7, 3),
-                    return_aux=varlen.AuxRequest(lse=True))
+                    return_aux=AuxRequest(lse=True))
     assert run["scale_log2"] == pytest.approx(0.25 * varlen.LOG2E)
     assert (run["left"], run["right"], run["want_lse"]) == (7, 3, True)
     _, run = launch(launches, **batch([20], [50], d=64))

@@ -1,4 +1,4 @@
-"""jitattn.varlen_checks: argument validation (CPU only) and the debug value checks.
+"""jitattn.varlen.checks: argument validation (CPU only) and the debug value checks.
 
 Every invalid call raises the documented exception type with a message naming the argument;
 valid CPU calls get past every check and stop only at the (last) CUDA-device check."""
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from jitattn.varlen_checks import AuxRequest, VarlenArgs, check_varlen_args, check_varlen_values
+from jitattn.varlen.checks import AuxRequest, VarlenArgs, check_varlen_args, check_varlen_values
 from tests.conftest import missing_names
 
 F16, BF16, I32 = torch.float16, torch.bfloat16, torch.int32
@@ -235,7 +235,7 @@ def test_valid_non_cuda_call_stops_at_the_cuda_device_check(overrides):
 
 def test_device_check_names_each_non_cuda_tensor(monkeypatch):
     """With a fake CUDA query, the device check walks to the first non-CUDA tensor and names it."""
-    from jitattn import _checks
+    from jitattn import checks as _checks
 
     real = _checks.cuda_device
     seen = {}
@@ -251,7 +251,7 @@ def test_device_check_names_each_non_cuda_tensor(monkeypatch):
 
 
 def test_valid_call_returns_derived_arguments(monkeypatch):
-    from jitattn import _checks
+    from jitattn import checks as _checks
 
     monkeypatch.setattr(_checks, "cuda_device", lambda named: torch.device("cuda", 0))
     got = call(paged=True, window_size=[5, 0], num_splits=2, return_aux=AuxRequest(lse=True))
@@ -339,7 +339,7 @@ def test_check_varlen_values_accepts_valid_values(paged, overrides):
 # ------------------------------------------------------------------ the public API (issue 6)
 # The same invalid calls through jitattn.varlen_attn / jitattn.varlen_attn_out with CPU tensors:
 # each raises the table's exception naming the argument, before anything is compiled
-# (jitattn.varlen.get_module is patched to fail the test if reached).
+# (jitattn.varlen.forward.get_module is patched to fail the test if reached).
 
 POSITIONAL = ("query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k")
 SPEC_KEYWORDS = {"return_aux": None, "scale": None, "window_size": (-1, -1), "enable_gqa": False,
@@ -350,17 +350,15 @@ SPEC_KEYWORDS = {"return_aux": None, "scale": None, "window_size": (-1, -1), "en
 def api(monkeypatch):
     """The jitattn package, with every path to a compile patched to fail the test."""
     import jitattn
-    import jitattn.varlen as varlen
+    import jitattn.varlen.forward as varlen
     from jitattn.jit import loader
 
     def forbidden(spec):
         pytest.fail(f"get_module({spec!r}) was called: validation must reject the call first")
 
-    monkeypatch.setattr(varlen, "get_module", forbidden)  # varlen.py: `from jitattn.jit.loader import get_module`
+    monkeypatch.setattr(varlen, "get_module", forbidden)  # forward.py: `from jitattn.jit.loader import get_module`
     monkeypatch.setattr(loader, "get_module", forbidden)
-    for memo in ("_modules", "_kernels"):  # per-call fast-path memos, if any: start empty
-        if isinstance(getattr(varlen, memo, None), dict):
-            monkeypatch.setattr(varlen, memo, {})
+    monkeypatch.setattr(varlen, "_kernels", {})  # the per-call fast-path memo starts empty
     return jitattn
 
 

@@ -24,7 +24,7 @@ COLD = """
 import time; t0 = time.perf_counter()
 import torch; t1 = time.perf_counter()
 from jitattn.jit import loader
-from jitattn.jit.spec import DecodeSpec
+from jitattn.decode.spec import DecodeSpec
 m, compiled = loader.build_spec(DecodeSpec(head_dim=128))
 print({"import_torch_s": t1 - t0, "compiled": compiled, "after_torch_s": time.perf_counter() - t1})
 """
@@ -43,7 +43,7 @@ if gpu:
     torch.cuda.synchronize()
 else:
     from jitattn.jit import loader
-    from jitattn.jit.spec import DecodeSpec
+    from jitattn.decode.spec import DecodeSpec
     loader.get_module(DecodeSpec(head_dim=128))
 t2 = time.perf_counter()
 if gpu:

@@ -14,8 +14,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jitattn  # noqa: E402
-import jitattn.decode as decode  # noqa: E402
-from jitattn._kernel import LoadedKernel  # noqa: E402  (capacity, patched by the sweep)
+import jitattn.decode.api as decode  # noqa: E402
+from jitattn.decode import plan  # noqa: E402
+from jitattn.kernel import LoadedKernel  # noqa: E402  (capacity, patched by the sweep)
 from bench_util import host_us_per_call, sets_needed, time_us  # noqa: E402
 
 SHAPES = [(32, 32, 4096), (32, 32, 32768), (32, 8, 1024), (32, 8, 4096), (32, 8, 32768)]
@@ -33,7 +34,7 @@ def host_breakdown():
     jitattn.single_decode_with_kv_cache(q, k, v)
     kernel = next(iter(decode._kernels.values()))[0]
     out = torch.empty_like(q)
-    # The C launch alone, with decode.py's arguments for this shape (one chunk, no lse).
+    # The C launch alone, with decode/api.py's arguments for this shape (one chunk, no lse).
     launch = (q, k, v, out, None, None, k.stride(), v.stride(), 0, 16, 1, 1, 32, 1, 0.1, 0.0, 1.0, 1e4, 1.0, 0)
     full = host_us_per_call(lambda: jitattn.single_decode_with_kv_cache(q, k, v))
     launch_only = host_us_per_call(lambda: kernel.launch(*launch))
@@ -74,7 +75,7 @@ def sweep():
         q, k, v = inputs(num_qo, num_kv, kv_len)
         for min_tiles in (1, 2, 4):
             for factor in (0.5, 1, 2):
-                decode.MIN_CHUNK_TILES = min_tiles
+                plan.MIN_CHUNK_TILES = min_tiles
                 LoadedKernel.capacity = lambda self, dev, f=factor: int(original(self, dev) * f * 2)
                 decode._kernels.clear()  # the entries hold the wave from capacity()
                 us = time_us(lambda: jitattn.single_decode_with_kv_cache(q, k, v), reps=20)
@@ -82,11 +83,11 @@ def sweep():
                 key = (128, torch.float16, torch.float16, "NONE", False, num_qo // num_kv, False, q.get_device())
                 kernel, group_tiles, budget, full_wave = decode._kernels[key]
                 if full_wave is not None:
-                    budget = decode.split_budget(*full_wave, -(-kv_len // kernel.tile_rows) * num_kv * group_tiles)
-                chunks = decode._split(kv_len, num_kv * group_tiles, kernel.tile_rows, budget)[1]
+                    budget = plan.split_budget(*full_wave, -(-kv_len // kernel.tile_rows) * num_kv * group_tiles)
+                chunks = plan.split(kv_len, num_kv * group_tiles, kernel.tile_rows, budget)[1]
                 print(f"| {num_qo}/{num_kv} L={kv_len} | {min_tiles} | {factor} | {chunks} | {us:.1f} |", flush=True)
     LoadedKernel.capacity = original
-    decode.MIN_CHUNK_TILES = 2
+    plan.MIN_CHUNK_TILES = 2
     decode._kernels.clear()
 
 

@@ -9,10 +9,10 @@ VarlenSpec.default_tile.
 """
 import json, subprocess, sys, torch
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
-import jitattn, jitattn.varlen as V
-from jitattn._kernel import OpKernel
+import jitattn, jitattn.varlen.forward as V
+from jitattn.kernel import OpKernel
 from jitattn.jit.loader import get_module
-from jitattn.jit.spec import VarlenSpec
+from jitattn.varlen.spec import VarlenSpec
 from torch.nn.attention import varlen as tv
 
 # Prefill tiles (warps_m, m_tiles, block_n, stages), the mma.sync rung then the wgmma one (W).

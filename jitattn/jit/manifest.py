@@ -1,4 +1,4 @@
-"""Prewarm manifests: TOML files listing the specializations a deployment needs.
+"""Prewarm manifests: TOML files listing the specializations a deployment needs (any family).
 
     [[spec]]
     family = "decode"
@@ -15,7 +15,8 @@ import itertools
 import sys
 from pathlib import Path
 
-from jitattn.jit.spec import KernelSpec, spec_from_dict
+from jitattn.jit.registry import spec_from_dict
+from jitattn.jit.spec import KernelSpec
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -1,13 +1,14 @@
-"""The public APIs as torch.library custom ops, with fake kernels.
+"""The varlen APIs as torch.library custom ops, with fake kernels and the autograd formula.
 
-torch.compile sees `jitattn::varlen_attn`, `jitattn::varlen_attn_out` (mutates `out`), defined
-here, and `jitattn::single_decode_with_kv_cache`, defined at the end of jitattn/decode.py (so a
-decode-only process does not pay for importing the varlen side: ~20 ms), as opaque ops whose
-output shapes come from their fake kernels, so compiled graphs have no break; the real kernels allocate through torch's
-caching allocator on the current stream and never sync, so CUDA graphs capture them. The public
-functions call these ops only while compiling; eager calls go straight to the implementation.
+torch.compile sees `jitattn::varlen_attn` and `jitattn::varlen_attn_out` (mutates `out`), defined
+here (`jitattn::single_decode_with_kv_cache` is defined in jitattn/decode/api.py, so a decode-only
+process does not pay for importing the varlen side: ~20 ms), as opaque ops whose output shapes
+come from their fake kernels, so compiled graphs have no break; the real kernels allocate through
+torch's caching allocator on the current stream and never sync, so CUDA graphs capture them. The
+public functions call these ops only while compiling or recording grad; eager calls go straight
+to `forward`.
 
-`jitattn::varlen_attn` has an autograd formula (jitattn/varlen_backward.py; not for block_table);
+`jitattn::varlen_attn` has an autograd formula (jitattn/varlen/backward.py; not for block_table);
 `jitattn::varlen_attn_out` has none, like torch's out variant.
 
 Op arguments are what the schema language can say: window_size is a list of two ints, return_aux
@@ -18,10 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jitattn import decode as _decode  # noqa: F401  (registers jitattn::single_decode_with_kv_cache)
-from jitattn import varlen as _varlen
-from jitattn import varlen_backward as _varlen_backward
-from jitattn.varlen_checks import AuxRequest, check_varlen_args
+from jitattn.varlen import backward as _backward
+from jitattn.varlen.checks import AuxRequest, check_varlen_args
+from jitattn.varlen.forward import forward
 
 
 def _aux(return_lse: bool) -> AuxRequest | None:
@@ -33,9 +33,9 @@ def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_
                 max_q: int, max_k: int, scale: float | None, window_size: list[int], enable_gqa: bool,
                 seqused_k: Tensor | None, block_table: Tensor | None, num_splits: int | None,
                 return_lse: bool) -> tuple[Tensor, Tensor]:
-    out, lse = _varlen.forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                               window_size=tuple(window_size), enable_gqa=enable_gqa, seqused_k=seqused_k,
-                               block_table=block_table, num_splits=num_splits, return_aux=_aux(return_lse))
+    out, lse = forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                       window_size=tuple(window_size), enable_gqa=enable_gqa, seqused_k=seqused_k,
+                       block_table=block_table, num_splits=num_splits, return_aux=_aux(return_lse))
     return out, lse
 
 
@@ -48,8 +48,8 @@ def _varlen_attn_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale
     return torch.empty_like(query, memory_format=torch.contiguous_format), _lse_like(query, return_lse)
 
 
-# Backward (non-paged): jitattn/varlen_backward.py, itself the opaque op jitattn::varlen_attn_backward.
-varlen_attn.register_autograd(_varlen_backward.backward, setup_context=_varlen_backward.setup_context)
+# Backward (non-paged): jitattn/varlen/backward.py, itself the opaque op jitattn::varlen_attn_backward.
+varlen_attn.register_autograd(_backward.backward, setup_context=_backward.setup_context)
 
 
 @torch.library.custom_op("jitattn::varlen_attn_out", mutates_args=("out",))
@@ -57,9 +57,9 @@ def varlen_attn_out(out: Tensor, query: Tensor, key: Tensor, value: Tensor, cu_s
                     cu_seq_k: Tensor | None, max_q: int, max_k: int, scale: float | None, window_size: list[int],
                     enable_gqa: bool, seqused_k: Tensor | None, block_table: Tensor | None,
                     num_splits: int | None, return_lse: bool) -> Tensor:
-    _, lse = _varlen.forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                             window_size=tuple(window_size), enable_gqa=enable_gqa, seqused_k=seqused_k,
-                             block_table=block_table, num_splits=num_splits, return_aux=_aux(return_lse), out=out)
+    _, lse = forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                     window_size=tuple(window_size), enable_gqa=enable_gqa, seqused_k=seqused_k,
+                     block_table=block_table, num_splits=num_splits, return_aux=_aux(return_lse), out=out)
     return lse
 
 

@@ -1,9 +1,9 @@
 """Backward pass of jitattn.varlen_attn (non-paged): plain torch ops in float32, chunked.
 
 Reads top-down: what is differentiable (the checks the public functions and the autograd
-registration share); `setup_context` / `backward`, which jitattn.ops registers as the autograd
-formula of `jitattn::varlen_attn`; the opaque custom op `jitattn::varlen_attn_backward` (so
-torch.compile traces no data-dependent loop); `varlen_attn_backward`, the math.
+registration share); `setup_context` / `backward`, which jitattn/varlen/ops.py registers as the
+autograd formula of `jitattn::varlen_attn`; the opaque custom op `jitattn::varlen_attn_backward`
+(so torch.compile traces no data-dependent loop); `varlen_attn_backward`, the math.
 
 For sequence i (query rows q0:q0+Lq, keys k0:k0+Lk, Lk = seqused_k[i] if given), query head h and
 its kv head h // (H_q // H_kv), with the window mask of shared/spec/varlen.md (bottom-right aligned):

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from jitattn import _checks as check
+from jitattn import checks as check
 
 _Q_DOC = "(T_q, H_q, D)"
 _KV_DOC = "(T_k, H_kv, D)"

@@ -1,0 +1,87 @@
+"""DecodeSpec: what a single-decode kernel is compiled for, and the rule that picks it for a call."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from jitattn.jit.registry import register
+from jitattn.jit.spec import DTYPE_TAGS, KernelSpec
+
+TENSOR_CORE_MIN_GROUP = 4  # GQA groups this large run on tensor cores by default (DecodeSpec.for_call)
+
+
+@register
+@dataclass(frozen=True)
+class DecodeSpec(KernelSpec):
+    """single_decode_with_kv_cache: one query token per head, split-KV over the sequence."""
+
+    family: ClassVar[str] = "decode"
+    sources: ClassVar[dict[str, str]] = {
+        "binding.cpp": "decode/binding.cpp.j2",
+        "kernels.cu": "decode/kernels.cu.j2",
+    }
+
+    head_dim: int
+    dtype_q: str = "float16"
+    dtype_kv: str = "float16"
+    pos_encoding: str = "NONE"  # NONE | ROPE_LLAMA | ALIBI
+    soft_cap: bool = False
+    group_tile: int = 1  # query heads of one GQA group handled per CTA (1..8; up to 16 with tensor cores)
+    tensor_cores: bool = False  # mma.sync path: the group's query heads are the MMA's rows
+
+    @staticmethod
+    def group_tile_for(group_size: int, dtype_kv: str = "float16") -> int:
+        """Query heads per CTA for a GQA group: the group rounded up to a power of two, at most 8
+        (4 with fp8 KV, whose threads hold twice the elements); larger groups take several CTAs
+        per KV head."""
+        limit = 4 if dtype_kv.startswith("float8") else 8
+        return min(limit, 1 << (group_size - 1).bit_length())
+
+    @staticmethod
+    def tensor_core_group_tile(group_size: int) -> int:
+        """Query heads per CTA on the tensor-core path: up to the MMA's 16 rows."""
+        return min(16, 1 << (group_size - 1).bit_length())
+
+    @classmethod
+    def for_call(cls, head_dim: int, dtype_q: str, dtype_kv: str, pos_encoding: str, soft_cap: bool,
+                 group_size: int, use_tensor_cores: bool = False) -> "DecodeSpec":
+        """The specialization a call runs (single_decode_with_kv_cache and manifests' group_size
+        both ask here).
+
+        Tensor cores when asked for, and also with use_tensor_cores=False where they measured
+        faster on the H200 (D128, cold L2):
+        - GQA groups of TENSOR_CORE_MIN_GROUP or more: the CUDA-core kernel is compute-bound
+          there (fp16 32/8 12.7 vs 13.9 us at 4k, 38.7 vs 45.2 at 32k; 32/4 24.6 vs 44.6 at
+          32k), and with fp8 K/V even more so (widened in registers on tensor cores: 32/8
+          26.4 vs 41.0 us at 32k, 76 vs 131 at 128k);
+        - RoPE at any group size with fp16/bf16 K/V: the tensor-core kernel rotates K fragments
+          in registers, where the CUDA-core one rotates every element on its own (32/32 at 32k
+          137 vs 141 us, 32/8 44 vs 61).
+        fp8 MHA stays on CUDA cores (32/32 at 32k: 68.8 vs 72.5 us). Never with a head_dim that
+        is not a multiple of 32: the CUDA-core kernel runs (same results)."""
+        fp8 = dtype_kv.startswith("float8")
+        tensor_cores = head_dim % 32 == 0 and (use_tensor_cores or group_size >= TENSOR_CORE_MIN_GROUP
+                                               or (pos_encoding == "ROPE_LLAMA" and not fp8))
+        tile = cls.tensor_core_group_tile(group_size) if tensor_cores else cls.group_tile_for(group_size, dtype_kv)
+        return cls(head_dim, dtype_q, dtype_kv, pos_encoding, soft_cap, tile, tensor_cores)
+
+    @classmethod
+    def from_fields(cls, data: dict) -> "DecodeSpec":
+        """dtype_kv defaults to dtype_q; a `group_size` (manifests may name the GQA group) becomes
+        the group tile and tensor-core choice that a call of that group would run."""
+        data = dict(data)
+        data.setdefault("dtype_kv", data.get("dtype_q", "float16"))
+        if "group_size" in data:
+            call = cls.for_call(data.get("head_dim", 0), data.get("dtype_q", "float16"), data["dtype_kv"],
+                                data.get("pos_encoding", "NONE"), data.get("soft_cap", False),
+                                int(data.pop("group_size")), bool(data.get("tensor_cores", False)))
+            data["group_tile"], data["tensor_cores"] = call.group_tile, call.tensor_cores
+        return super().from_fields(data)
+
+    @property
+    def name(self) -> str:
+        return (
+            f"decode_{DTYPE_TAGS[self.dtype_q]}_kv{DTYPE_TAGS[self.dtype_kv]}_d{self.head_dim}"
+            f"_pos{self.pos_encoding.lower().replace('_', '')}_cap{int(self.soft_cap)}"
+            f"_g{self.group_tile}{'_tc' if self.tensor_cores else ''}"
+        )

@@ -1,0 +1,100 @@
+"""jitattn.varlen_attn / varlen_attn_out: a drop-in for torch.nn.attention.varlen.
+
+See shared/spec/varlen.md. The public functions; the work is `forward` (jitattn/varlen/forward.py:
+validate -> plan -> module -> launch), which the eager call and the registered custom ops
+(jitattn/varlen/ops.py) share.
+
+Eager calls skip the torch.library dispatcher (its Python custom-op path costs more than the
+whole launch); under torch.compile the public functions call the registered ops instead, which
+the compiler treats as opaque and shapes through their fake kernels, and calls that autograd
+must record (an input requires grad) go through the op too, as it carries the backward formula.
+"""
+from __future__ import annotations
+
+import torch
+
+import jitattn.varlen.ops  # noqa: F401  (registers torch.ops.jitattn.varlen_attn*)
+from jitattn.varlen.backward import OUT_NOT_DIFFERENTIABLE, check_differentiable, needs_grad
+from jitattn.varlen.checks import AuxRequest
+from jitattn.varlen.forward import forward
+
+__all__ = ["AuxRequest", "varlen_attn", "varlen_attn_out"]
+
+
+def varlen_attn(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor | None,
+    max_q: int,
+    max_k: int,
+    *,
+    return_aux: AuxRequest | None = None,
+    scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    enable_gqa: bool = False,
+    seqused_k: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    num_splits: int | None = None,
+):
+    """Attention over packed variable-length sequences.
+
+    query (T_q, H_q, D); key/value (T_k, H_kv, D), or with block_table a page pool
+    (total_pages, page_size, H_kv, D); cu_seq_q/cu_seq_k int32 (N+1,) sequence starts. Returns
+    out (T_q, H_q, D) in query's dtype, or (out, lse) with return_aux=AuxRequest(lse=True), lse
+    (H_q, T_q) float32 natural log. Windows are (left, right), bottom-right aligned; -1 is
+    unbounded. num_splits=1 makes a sequence's result independent of the rest of the batch.
+    Differentiable (query, key, value) unless paged (jitattn/varlen/backward.py).
+    """
+    want_lse = return_aux is not None and getattr(return_aux, "lse", False) is True
+    grad = needs_grad(query, key, value)
+    if grad or torch.compiler.is_compiling():
+        # The op carries the autograd formula, which needs the lse: asked for whenever grad is.
+        if grad:
+            check_differentiable(block_table)
+        out, lse = torch.ops.jitattn.varlen_attn(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, list(window_size), enable_gqa,
+            seqused_k, block_table, num_splits, want_lse or grad)
+    else:
+        out, lse = forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                           window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
+                           block_table=block_table, num_splits=num_splits, return_aux=return_aux)
+    return (out, lse) if want_lse else out
+
+
+def varlen_attn_out(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor | None,
+    max_q: int,
+    max_k: int,
+    *,
+    return_aux: AuxRequest | None = None,
+    scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    enable_gqa: bool = False,
+    seqused_k: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    num_splits: int | None = None,
+):
+    """varlen_attn writing into `out` (T_q, H_q, D), query's dtype and device; returns `out`, or
+    (out, lse) with return_aux=AuxRequest(lse=True). Rows of `out` outside every sequence are
+    left as they were. Not differentiable (as torch's): raises RuntimeError if grad is needed."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor of query's shape (T_q, H_q, D), got {type(out).__name__}")
+    if needs_grad(out, query, key, value):
+        raise RuntimeError(OUT_NOT_DIFFERENTIABLE)
+    want_lse = return_aux is not None and getattr(return_aux, "lse", False) is True
+    if torch.compiler.is_compiling():
+        lse = torch.ops.jitattn.varlen_attn_out(
+            out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, list(window_size), enable_gqa,
+            seqused_k, block_table, num_splits, want_lse)
+    else:
+        out, lse = forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                           window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
+                           block_table=block_table, num_splits=num_splits, return_aux=return_aux, out=out)
+    return (out, lse) if want_lse else out

@@ -1,0 +1,69 @@
+"""One varlen_attn forward: validate -> plan -> module -> launch (shared by the eager call and the ops)."""
+from __future__ import annotations
+
+import torch
+
+from jitattn import checks as check
+from jitattn.jit import env
+from jitattn.jit.loader import get_module
+from jitattn.kernel import OpKernel
+from jitattn.varlen.checks import check_varlen_args, check_varlen_values
+from jitattn.varlen.plan import MAX_SPLITS, auto_splits, tile_kind
+from jitattn.varlen.spec import VarlenSpec
+
+LOG2E = 1.4426950408889634
+
+# (head_dim, dtype, paged, decode, wgmma) -> (loaded kernel, BLOCK_M, BLOCK_N): the per-call fast path
+_kernels: dict[tuple, tuple[OpKernel, int, int]] = {}
+
+
+def forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa,
+            seqused_k, block_table, num_splits, return_aux, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate, plan, launch. Returns (out, lse); lse is (0, T_q) unless return_aux asks for it."""
+    args = check_varlen_args(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                             window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
+                             block_table=block_table, num_splits=num_splits, out=out, return_aux=return_aux)
+    debug = env.debug() and not torch.cuda.is_current_stream_capturing()
+    if debug:  # reads the metadata back: a sync, so only when asked for
+        check_varlen_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k=seqused_k,
+                            block_table=block_table)
+
+    group = args.num_heads_q // args.num_heads_kv
+    decode, wgmma = tile_kind(args.num_splits, max_q, group, args.head_dim, args.device)
+    kernel_key = (args.head_dim, query.dtype, args.paged, decode, wgmma)
+    entry = _kernels.get(kernel_key)
+    if entry is None:
+        spec = VarlenSpec(args.head_dim, check.DTYPE_NAMES[query.dtype], args.paged, decode, wgmma=wgmma)
+        entry = _kernels[kernel_key] = (OpKernel(get_module(spec)), spec.block_m, spec.block_n)
+    kernel, block_m, tile_n = entry
+    m_blocks = -(-max_q * group // block_m)
+    splits = args.num_splits
+    if splits is None:
+        ctas = m_blocks * args.num_seqs * args.num_heads_kv
+        splits = auto_splits(ctas, max_k, tile_n, kernel.capacity(args.device))
+    splits = min(splits, MAX_SPLITS)
+
+    query, key, value = check.vectors_ready(query, key, value)
+    metadata = [t if t is None or t.is_contiguous() else t.contiguous()
+                for t in (cu_seq_q, cu_seq_k, seqused_k)]
+    if block_table is not None and block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    # The kernel writes 16-byte rows: an `out` it cannot (odd strides or alignment) gets the
+    # result copied in.
+    target = out
+    if out is not None and check.vector_ready(out) is not out:
+        target = None
+    bad_page = torch.zeros(3, dtype=torch.int32, device=args.device) if debug and args.paged else None
+    result, lse = kernel.run(query, key, value, metadata[0], metadata[1], metadata[2], block_table, target,
+                             bad_page, group, m_blocks, splits, args.window_left, args.window_right,
+                             args.scale * LOG2E, args.return_lse)
+    if out is not None and target is None:
+        out.copy_(result)
+        result = out
+    if debug:
+        torch.cuda.synchronize(args.device)
+        if bad_page is not None and int(bad_page[0]):
+            seq, page = int(bad_page[1]), int(bad_page[2])
+            raise ValueError(f"block_table[{seq}, {page}] is not a page of the pool (caught on the device): "
+                             f"page ids must be in [0, {key.shape[0]})")
+    return result, lse

@@ -1,0 +1,46 @@
+"""How a varlen_attn call is planned: which tile shape (decode or prefill, wgmma or not) and how
+many KV splits."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from jitattn.jit import env
+from jitattn.varlen.spec import VarlenSpec
+
+DECODE_ROWS = 16  # decode tile shape: one 16-row MMA tile; used when max_q * group fits in it
+MAX_SPLITS = 128  # keep in sync with the template's max_splits
+MIN_SPLIT_TILES = 2  # shortest KV split, in key tiles: shorter ones cost more to merge than they gain
+
+_hopper: dict[int | None, bool] = {}  # device index -> sm_90 (the wgmma kernels run there)
+
+
+def is_hopper(device: torch.device) -> bool:
+    hopper = _hopper.get(device.index)
+    if hopper is None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        hopper = _hopper[device.index] = torch.cuda.get_device_capability(index) == (9, 0)
+    return hopper
+
+
+def tile_kind(num_splits: int | None, max_q: int, group: int, head_dim: int,
+              device: torch.device) -> tuple[bool, bool]:
+    """(decode, wgmma): the decode tile shape when every KV head's query rows (max_q x its GQA
+    group) fit one 16-row MMA tile; the Hopper rung for prefill on sm_90 unless JITATTN_WGMMA=0.
+    num_splits=1 always takes the prefill shape, so nothing about the rest of the batch (its
+    max_q) changes how a sequence is computed: bitwise batch invariance."""
+    decode = num_splits != 1 and max_q * group <= DECODE_ROWS
+    wgmma = VarlenSpec.wgmma_fits(head_dim, decode) and is_hopper(device) and env.wgmma_enabled()
+    return decode, wgmma
+
+
+def auto_splits(ctas: int, max_k: int, tile: int, capacity: int) -> int:
+    """num_splits=None: split the keys only when the grid is short of half a wave of CTAs
+    (decode-shaped batches); then the most splits that fit in half a wave, none shorter than
+    MIN_SPLIT_TILES tiles of the longest sequence. Half a wave, as for single decode: on the H200
+    it beat a full wave (fewer partials to merge; two CTAs per SM keep enough loads in flight).
+    Prefill grids are far above half a wave, so they never split."""
+    if ctas == 0:
+        return 1
+    return max(1, min(capacity // 2 // ctas, math.ceil(max_k / (tile * MIN_SPLIT_TILES)), MAX_SPLITS))
