@@ -11,14 +11,17 @@ must record (an input requires grad) go through the op too, as it carries the ba
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import jitattn.varlen.ops  # noqa: F401  (registers torch.ops.jitattn.varlen_attn*)
-from jitattn.varlen.backward import OUT_NOT_DIFFERENTIABLE, check_differentiable, needs_grad
+from jitattn.varlen.backward import check_differentiable, needs_grad
 from jitattn.varlen.checks import AuxRequest
 from jitattn.varlen.forward import forward
 
 __all__ = ["AuxRequest", "varlen_attn", "varlen_attn_out"]
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 def varlen_attn(
@@ -45,7 +48,9 @@ def varlen_attn(
     out (T_q, H_q, D) in query's dtype, or (out, lse) with return_aux=AuxRequest(lse=True), lse
     (H_q, T_q) float32 natural log. Windows are (left, right), bottom-right aligned; -1 is
     unbounded. num_splits=1 makes a sequence's result independent of the rest of the batch.
-    Differentiable (query, key, value) unless paged (jitattn/varlen/backward.py).
+    out takes query's layout (torch.empty_like(query), as torch's). Differentiable in query, key,
+    value unless paged (jitattn/varlen/backward.py), and, beyond torch (whose newest lse is not
+    differentiable), through lse too; seqused_k with grad is a superset as well.
     """
     want_lse = return_aux is not None and getattr(return_aux, "lse", False) is True
     grad = needs_grad(query, key, value)
@@ -83,18 +88,21 @@ def varlen_attn_out(
 ):
     """varlen_attn writing into `out` (T_q, H_q, D), query's dtype and device; returns `out`, or
     (out, lse) with return_aux=AuxRequest(lse=True). Rows of `out` outside every sequence are
-    left as they were. Not differentiable (as torch's): raises RuntimeError if grad is needed."""
+    left as they were. Not differentiable (as torch's): inputs that require grad are read as
+    constants, and autograd records nothing (use varlen_attn for a backward pass)."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor of query's shape (T_q, H_q, D), got {type(out).__name__}")
-    if needs_grad(out, query, key, value):
-        raise RuntimeError(OUT_NOT_DIFFERENTIABLE)
     want_lse = return_aux is not None and getattr(return_aux, "lse", False) is True
     if torch.compiler.is_compiling():
+        # The op has no autograd formula: what it writes and returns is not differentiable.
         lse = torch.ops.jitattn.varlen_attn_out(
             out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, list(window_size), enable_gqa,
             seqused_k, block_table, num_splits, want_lse)
     else:
-        out, lse = forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                           window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
-                           block_table=block_table, num_splits=num_splits, return_aux=return_aux, out=out)
+        # no_grad: the kernel's writes are no autograd op anyway; the copy into an `out` the
+        # kernel cannot write in place (and a leaf `out` that requires grad) must not be one either.
+        with torch.no_grad() if needs_grad(out, query, key, value) else _NO_CONTEXT:
+            out, lse = forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                               window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
+                               block_table=block_table, num_splits=num_splits, return_aux=return_aux, out=out)
     return (out, lse) if want_lse else out

@@ -32,14 +32,11 @@ from torch import Tensor
 MAX_CHUNK_ROWS = 1024
 CHUNK_ELEMENTS = 1 << 25  # float32 logits per chunk (128 MiB); a few tensors of this size are live at once
 
+# torch's words first (its tests match them), then what to do instead.
 PAGED_NOT_DIFFERENTIABLE = (
-    "varlen_attn: block_table / paged KV is inference-only, as in torch: no backward pass. Call it "
-    "under torch.no_grad() (or with inputs that do not require grad), or pass packed key/value "
-    "(T_k, H_kv, D) with cu_seq_k for a differentiable call")
-OUT_NOT_DIFFERENTIABLE = (
-    "varlen_attn_out is not differentiable (an out= variant writes into a given tensor, as torch's "
-    "varlen_attn_out, which has no autograd formula either): use varlen_attn for a backward pass, "
-    "or call varlen_attn_out under torch.no_grad() / with inputs that do not require grad")
+    "block_table is an inference-only parameter. varlen_attn: paged KV has no backward pass, as in "
+    "torch. Call it under torch.no_grad() (or with inputs that do not require grad), or pass packed "
+    "key/value (T_k, H_kv, D) with cu_seq_k for a differentiable call")
 
 
 def needs_grad(*tensors) -> bool:

@@ -7,6 +7,8 @@ reads no tensor values (that would sync with the GPU). check_varlen_values check
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -53,6 +55,19 @@ def _int_dtype(name: str, t: torch.Tensor) -> None:
 
 def _optional_tensor(name: str, value, ndim: int, shape_doc: str) -> torch.Tensor | None:
     return None if value is None else check.tensor(name, value, ndim, shape_doc)
+
+
+def _scale(value, default: float) -> float:
+    """None -> default; else a finite number > 0. torch's words for 0, negatives and NaN."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"scale must be a float or None, got {type(value).__name__} {value!r}")
+    if not value > 0:  # also NaN; the value as given, as torch prints it
+        raise ValueError(f"scale must be greater than 0, got {value}")
+    if math.isinf(value):  # torch lets inf through to NaN logits; we say so instead
+        raise ValueError(f"scale must be finite, got {value}")
+    return float(value)
 
 
 def _window(value) -> tuple[int, int]:
@@ -130,12 +145,16 @@ def check_varlen_args(
         raise ValueError(f"key/value must have at least one head (H_kv), got shape {tuple(key.shape)}")
     if enable_gqa is not False:
         check.boolean("enable_gqa", enable_gqa)
+    # torch's words first (its tests match them), then ours.
     if not enable_gqa and num_heads_q != num_heads_kv:
-        raise ValueError(f"query has H_q={num_heads_q} heads but key/value have H_kv={num_heads_kv}: "
-                         "they must be equal unless enable_gqa=True")
+        raise ValueError(f"Expect query and key/value to have the same number of heads but got Hq={num_heads_q} "
+                         f"and Hkv={num_heads_kv}. Try setting enable_gqa=True for GQA. (query has "
+                         f"H_q={num_heads_q} heads, key/value H_kv={num_heads_kv}: they must be equal unless "
+                         "enable_gqa=True)")
     if num_heads_q % num_heads_kv:
-        raise ValueError(f"with enable_gqa, the query heads (H_q={num_heads_q}) must be a multiple of "
-                         f"the key/value heads (H_kv={num_heads_kv})")
+        raise ValueError(f"Expect number of query heads to be a multiple of kv heads for GQA but got "
+                         f"Hq={num_heads_q} and Hkv={num_heads_kv}. (with enable_gqa, the query heads "
+                         f"H_q={num_heads_q} must be a multiple of the key/value heads H_kv={num_heads_kv})")
     page_size = 0
     if paged:
         page_size = key.shape[1]
@@ -162,7 +181,7 @@ def check_varlen_args(
     # -- scalars
     check.integer("max_q", max_q, 0)
     check.integer("max_k", max_k, 0)
-    scale = check.positive_float("scale", scale, 1.0 / head_dim**0.5)
+    scale = _scale(scale, 1.0 / head_dim**0.5)
     left, right = _window(window_size)
     if num_splits is not None:
         num_splits = check.integer("num_splits", num_splits, 1)

@@ -43,6 +43,10 @@ def forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, windo
         splits = auto_splits(ctas, max_k, tile_n, kernel.capacity(args.device))
     splits = min(splits, MAX_SPLITS)
 
+    if out is None and query.stride() != (query.shape[1] * args.head_dim, args.head_dim, 1):
+        # The output takes the query's layout, as torch's does (`torch.empty_like(query)`, also in
+        # the fake kernel). A query with those strides gets them from the binding's allocation.
+        out = torch.empty_like(query)
     query, key, value = check.vectors_ready(query, key, value)
     metadata = [t if t is None or t.is_contiguous() else t.contiguous()
                 for t in (cu_seq_q, cu_seq_k, seqused_k)]

@@ -45,7 +45,7 @@ def _varlen_attn_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale
     check_varlen_args(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
                       window_size=tuple(window_size), enable_gqa=enable_gqa, seqused_k=seqused_k,
                       block_table=block_table, num_splits=num_splits, return_aux=_aux(return_lse))
-    return torch.empty_like(query, memory_format=torch.contiguous_format), _lse_like(query, return_lse)
+    return torch.empty_like(query), _lse_like(query, return_lse)  # the query's layout, as eager's
 
 
 # Backward (non-paged): jitattn/varlen/backward.py, itself the opaque op jitattn::varlen_attn_backward.
