@@ -63,7 +63,7 @@ def launch(launches, **kwargs):
     varlen.forward(**{**defaults, **kwargs})
     spec, args = launches[-1]
     names = ("q", "k", "v", "cu_q", "cu_k", "used", "table", "out", "bad_page", "pack", "m_blocks", "splits",
-             "left", "right", "scale_log2", "want_lse")
+             "split_min_tiles", "left", "right", "scale_log2", "want_lse")
     return spec, dict(zip(names, args))
 
 
@@ -82,6 +82,37 @@ def test_a_small_decode_batch_splits_the_keys_to_fill_half_a_wave(launches):
 def test_splits_never_make_chunks_shorter_than_two_tiles(launches):
     _, run = launch(launches, **batch([1], [300]))  # 8 CTAs; 300 keys are 5 tiles of 64
     assert run["splits"] == math.ceil(300 / (64 * plan.MIN_SPLIT_TILES)) == 3
+
+
+def test_automatic_splits_are_counted_per_sequence_and_explicit_ones_kept(launches):
+    """num_splits=None hands the kernel the grid's room and MIN_SPLIT_TILES: each row block takes
+    as many splits as its own key tiles fill (kernels.cu.j2, block_extent). An explicit count is
+    every block's (split_min_tiles 0)."""
+    _, run = launch(launches, **batch([1, 1], [32768, 100]))
+    assert run["splits"] == HALF_WAVE // 16 and run["split_min_tiles"] == plan.MIN_SPLIT_TILES
+    _, run = launch(launches, **batch([1], [9000]), num_splits=3)
+    assert run["splits"] == 3 and run["split_min_tiles"] == 0
+
+
+def test_max_k_slack_never_changes_a_sequences_split(launches):
+    """Paged (page 256, max_k the slot size 256) and packed (max_k 127) calls of the same
+    sequences: the grids differ, and each sequence's own count, min(grid, ceil(tiles / 2)), is
+    the same, because its own bound never exceeds the max_k bound of the grid (its keys are at
+    most max_k). The kernel's bits are compared in tests/test_varlen_dropin_gpu.py."""
+    packed = launch(launches, **batch([1, 1], [127, 100]))[1]
+    args = batch([1, 1], [127, 100])
+    pool = torch.zeros(4, 256, 8, 128, dtype=torch.bfloat16)
+    args.update(key=pool, value=pool.clone(), cu_seq_k=None, max_k=256,
+                seqused_k=torch.tensor([127, 100], dtype=torch.int32),
+                block_table=torch.tensor([[0], [2]], dtype=torch.int32))
+    paged = launch(launches, **args)[1]
+    assert (packed["splits"], paged["splits"]) == (1, 2)  # the grids' room follows max_k
+    own = lambda k_len, grid: max(1, min(grid, math.ceil(math.ceil(k_len / 64) / plan.MIN_SPLIT_TILES)))
+    assert [own(n, packed["splits"]) for n in (127, 100)] == [own(n, paged["splits"]) for n in (127, 100)] == [1, 1]
+    for max_k in range(0, 3000, 13):
+        for k_len in range(0, max_k + 1, 11):
+            tiles = math.ceil(k_len / 64)
+            assert math.ceil(tiles / plan.MIN_SPLIT_TILES) <= max(1, math.ceil(max_k / (64 * plan.MIN_SPLIT_TILES)))
 
 
 def test_prefill_batches_take_the_prefill_shape_and_never_split(launches):

@@ -8,7 +8,7 @@ from jitattn.jit import env
 from jitattn.jit.loader import get_module
 from jitattn.kernel import OpKernel
 from jitattn.varlen.checks import check_varlen_args, check_varlen_values
-from jitattn.varlen.plan import MAX_SPLITS, auto_splits, tile_kind
+from jitattn.varlen.plan import MAX_SPLITS, MIN_SPLIT_TILES, auto_splits, tile_kind
 from jitattn.varlen.spec import VarlenSpec
 
 LOG2E = 1.4426950408889634
@@ -37,10 +37,12 @@ def forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, windo
         entry = _kernels[kernel_key] = (OpKernel(get_module(spec)), spec.block_m, spec.block_n)
     kernel, block_m, tile_n = entry
     m_blocks = -(-max_q * group // block_m)
-    splits = args.num_splits
+    # Explicit splits: every row block takes that many. Automatic: the grid has room for
+    # `splits`, and each block takes as many of them as its own keys fill (counted on the device).
+    splits, min_tiles = args.num_splits, 0
     if splits is None:
         ctas = m_blocks * args.num_seqs * args.num_heads_kv
-        splits = auto_splits(ctas, max_k, tile_n, kernel.capacity(args.device))
+        splits, min_tiles = auto_splits(ctas, max_k, tile_n, kernel.capacity(args.device)), MIN_SPLIT_TILES
     splits = min(splits, MAX_SPLITS)
 
     if out is None and query.stride() != (query.shape[1] * args.head_dim, args.head_dim, 1):
@@ -59,7 +61,7 @@ def forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, windo
         target = None
     bad_page = torch.zeros(3, dtype=torch.int32, device=args.device) if debug and args.paged else None
     result, lse = kernel.run(query, key, value, metadata[0], metadata[1], metadata[2], block_table, target,
-                             bad_page, group, m_blocks, splits, args.window_left, args.window_right,
+                             bad_page, group, m_blocks, splits, min_tiles, args.window_left, args.window_right,
                              args.scale * LOG2E, args.return_lse)
     if out is not None and target is None:
         out.copy_(result)

@@ -36,11 +36,18 @@ def tile_kind(num_splits: int | None, max_q: int, group: int, head_dim: int,
 
 
 def auto_splits(ctas: int, max_k: int, tile: int, capacity: int) -> int:
-    """num_splits=None: split the keys only when the grid is short of half a wave of CTAs
-    (decode-shaped batches); then the most splits that fit in half a wave, none shorter than
-    MIN_SPLIT_TILES tiles of the longest sequence. Half a wave, as for single decode: on the H200
-    it beat a full wave (fewer partials to merge; two CTAs per SM keep enough loads in flight).
-    Prefill grids are far above half a wave, so they never split."""
+    """num_splits=None: the splits the grid has room for. Split the keys only when the grid is
+    short of half a wave of CTAs (decode-shaped batches); then the most splits that fit in half a
+    wave, and no more than MIN_SPLIT_TILES-tile chunks of the longest sequence (max_k) can use.
+    Half a wave, as for single decode: on the H200 it beat a full wave (fewer partials to merge;
+    two CTAs per SM keep enough loads in flight). Prefill grids are far above half a wave, so
+    they never split.
+
+    This is only the grid's room: each row block then takes as many of these splits as its own
+    key tiles fill, at least MIN_SPLIT_TILES tiles each (the kernel counts them from the
+    sequence's own length and window, `block_extent`). A block's own bound never exceeds the
+    max_k bound here (its keys are at most max_k), so max_k's slack (a paged call's slot size,
+    say) never changes how a sequence is reduced."""
     if ctas == 0:
         return 1
     return max(1, min(capacity // 2 // ctas, math.ceil(max_k / (tile * MIN_SPLIT_TILES)), MAX_SPLITS))

@@ -22,7 +22,9 @@ struct VarlenParams {
   int num_seqs, num_heads_q, num_heads_kv, total_q, total_k;  // total_k: T_k, or pages when paged
   int pack;                   // query heads per KV head packed into a CTA's rows (the GQA group)
   int num_m_blocks;           // row blocks per (sequence, KV head): ceil(max_q * pack / BLOCK_M)
-  int num_splits;             // KV splits per row block (>1: fp32 partials, then merge_splits)
+  int num_splits;             // KV splits per row block in the grid (>1: fp32 partials, then merge_splits)
+  int split_min_tiles;        // 0: every block takes num_splits; else the automatic split: a block takes
+                              // at most num_splits, none shorter than this many of its own key tiles
   int window_left, window_right;  // -1: unbounded on that side
   int page_shift, page_mask;  // page_size = 1 << page_shift
   float scale_log2;           // softmax scale * log2(e)
