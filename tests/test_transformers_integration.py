@@ -1,0 +1,307 @@
+"""jitattn as a transformers attention implementation, on the CPU (runs in CI, which installs
+transformers with the test extra): registration, how each call's arguments map onto varlen_attn,
+the refusals, and whole small models (Llama, Mistral with a sliding window, Gemma-2 without its
+soft cap) against transformers' own sdpa in float32: logits with padding, greedy generation with
+the KV cache, a training step packed (DataCollatorWithFlattening) against unpacked.
+
+varlen_attn needs a GPU, so here the integration's one call into jitattn
+(`jitattn.integrations.transformers._varlen_attn`) runs varlen_attn's own argument checks (on a
+bfloat16 copy: the kernels' dtypes) and then the float64 reference. The same models against the
+real kernels: tests/test_transformers_gpu.py.
+"""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import jitattn.integrations.transformers as jt  # noqa: E402
+from jitattn import checks as _checks  # noqa: E402
+from jitattn.reference import varlen_attn_reference  # noqa: E402
+from jitattn.varlen.checks import check_varlen_args  # noqa: E402
+
+F32, BF16, I32 = torch.float32, torch.bfloat16, torch.int32
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Every varlen_attn call the integration makes, answered by the float64 reference."""
+    recorded = []
+
+    def standin(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False,
+                seqused_k=None):
+        recorded.append(dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k, scale=scale,
+                             window=tuple(window_size), enable_gqa=enable_gqa, seqused_k=seqused_k))
+        half = [t.detach().to(BF16) for t in (q, k, v)]
+        check_varlen_args(*half, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
+                          enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=None, num_splits=None)
+        out, _ = varlen_attn_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
+                                       seqused_k=seqused_k)
+        return out.to(q.dtype)
+
+    monkeypatch.setattr(jt, "_varlen_attn", standin)
+    monkeypatch.setattr(jt, "_DTYPES", (torch.float16, torch.bfloat16, F32))  # the reference is exact in float32
+    monkeypatch.setattr(_checks, "cuda_device", lambda named: torch.device("cuda", 0))
+    jt.register()
+    return recorded
+
+
+# ---------------------------------------------------------------- registration
+def test_register_adds_jitattn_to_both_interfaces():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    assert jt.register() == "jitattn" and jt.register() == "jitattn"  # idempotent
+    assert AttentionInterface()["jitattn"] is jt.attention_forward
+    assert "jitattn" in AttentionInterface().valid_keys()
+    # the model hands over the 2D padding mask (or None), as to FlashAttention
+    assert ALL_MASK_ATTENTION_FUNCTIONS["jitattn"] is ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"]
+
+
+def test_register_without_transformers_says_how_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match=r"jitattn\[transformers\]"):
+        jt.register()
+
+
+def test_models_accept_the_name_at_load_and_later(calls):
+    config = llama_config()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="jitattn")
+    assert model.config._attn_implementation == "jitattn"
+    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation("jitattn")
+    assert model.config._attn_implementation == "jitattn"
+    model(torch.randint(0, 100, (1, 6)))
+    assert len(calls) == config.num_hidden_layers
+
+
+# ---------------------------------------------------------------- how a call maps
+class Attn(torch.nn.Module):
+    is_causal = True
+
+
+def qkv(batch=2, h_q=4, h_kv=2, len_q=7, len_k=7, d=32, dtype=F32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, h_q, len_q, d, generator=g, dtype=dtype),
+            torch.randn(batch, h_kv, len_k, d, generator=g, dtype=dtype),
+            torch.randn(batch, h_kv, len_k, d, generator=g, dtype=dtype))
+
+
+def sdpa(q, k, v, mask=None, scale=None, causal=True, window=None):
+    """(B, L_q, H, D) by torch's SDPA in float64, bottom-right causal, with the padding mask."""
+    len_q, len_k = q.shape[2], k.shape[2]
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(group, 1).double() for t in (k, v))
+    rows = torch.arange(len_q)[:, None] + len_k - len_q
+    cols = torch.arange(len_k)[None, :]
+    allowed = torch.ones(len_q, len_k, dtype=torch.bool)
+    if causal:
+        allowed &= cols <= rows
+    if window:
+        allowed &= rows - cols < window
+    allowed = allowed[None, None].expand(q.shape[0], 1, len_q, len_k)
+    if mask is not None:
+        allowed = allowed & mask.bool()[:, None, None, :]
+    out = torch.nn.functional.scaled_dot_product_attention(q.double(), k, v, attn_mask=allowed, scale=scale)
+    return out.nan_to_num(0.0).transpose(1, 2)
+
+
+def test_causal_gqa_scaling_and_window_reach_varlen(calls):
+    q, k, v = qkv()
+    out, weights = jt.attention_forward(Attn(), q, k, v, None, scaling=0.3, sliding_window=4)
+    call = calls[-1]
+    assert weights is None and out.shape == (2, 7, 4, 32)
+    assert call["window"] == (3, 0) and call["scale"] == 0.3 and call["enable_gqa"] is True
+    assert (call["max_q"], call["max_k"]) == (7, 7) and call["cu_q"].tolist() == [0, 7, 14]
+    torch.testing.assert_close(out.double(), sdpa(q, k, v, scale=0.3, window=4), rtol=0, atol=1e-5)
+
+
+def test_non_causal_and_symmetric_window(calls):
+    q, k, v = qkv(h_q=2, h_kv=2)
+    jt.attention_forward(Attn(), q, k, v, None, is_causal=False)
+    assert calls[-1]["window"] == (-1, -1) and calls[-1]["enable_gqa"] is False
+    jt.attention_forward(Attn(), q, k, v, None, is_causal=False, sliding_window=3)
+    assert calls[-1]["window"] == (2, 2)
+
+
+def test_an_inference_call_reads_the_kv_cache_in_place(calls):
+    """No grad, batch > 1: keys/values are slots of a strided view of the cache, never copied."""
+    q, k, v = qkv(batch=3, len_q=1, len_k=9)
+    with torch.no_grad():
+        out, _ = jt.attention_forward(Attn(), q, k, v, None)
+    call = calls[-1]
+    assert call["k"].data_ptr() == k.data_ptr() and call["v"].data_ptr() == v.data_ptr()
+    assert call["seqused_k"].tolist() == [9, 9, 9] and call["cu_k"].tolist() == [0, 18, 36, 45]
+    torch.testing.assert_close(out.double(), sdpa(q, k, v), rtol=0, atol=1e-5)
+
+
+def test_a_call_with_grad_packs_keys_and_is_differentiable(calls):
+    q, k, v = (t.requires_grad_() for t in qkv(batch=2, len_q=5, len_k=5))
+    out, _ = jt.attention_forward(Attn(), q, k, v, None)
+    assert calls[-1]["seqused_k"] is None and calls[-1]["cu_k"].tolist() == [0, 5, 10]
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad((out * g).sum(), (q, k, v))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad((sdpa(*leaves) * g.double()).sum(), leaves)
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("len_q", [9, 1, 3])
+def test_a_padding_mask_unpads_and_pads_back(calls, len_q):
+    """Left padding (generation), the prompt (L_q = L_k), a decode step, a chunk of 3."""
+    q, k, v = qkv(batch=2, len_q=len_q, len_k=9)
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9], dtype=torch.bool)
+    out, _ = jt.attention_forward(Attn(), q, k, v, mask)
+    call = calls[-1]
+    assert call["cu_k"].tolist() == [0, 6, 15] and call["max_k"] == 9
+    valid_q = mask[:, -len_q:]
+    assert call["cu_q"].tolist() == [0, int(valid_q[0].sum()), int(valid_q.sum())]
+    want = sdpa(q, k, v, mask=mask)
+    torch.testing.assert_close(out[valid_q].double(), want[valid_q], rtol=0, atol=1e-5)
+    assert (out[~valid_q] == 0).all()
+
+
+def test_packed_sequences_from_flash_kwargs_and_from_position_ids(calls):
+    q, k, v = qkv(batch=1, len_q=10, len_k=10)
+    cu = torch.tensor([0, 4, 10], dtype=I32)
+    out, _ = jt.attention_forward(Attn(), q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6,
+                                  max_length_k=6)
+    assert calls[-1]["cu_q"].tolist() == [0, 4, 10] and calls[-1]["max_q"] == 6
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]])
+    out2, _ = jt.attention_forward(Attn(), q, k, v, None, position_ids=position_ids)
+    assert calls[-1]["cu_q"].tolist() == [0, 4, 10] and calls[-1]["max_k"] == 6
+    assert torch.equal(out, out2)
+    for a, b in ((0, 4), (4, 10)):  # each sequence on its own
+        want = sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b])
+        torch.testing.assert_close(out[:, a:b].double(), want, rtol=0, atol=1e-5)
+    jt.attention_forward(Attn(), q, k, v, None, position_ids=torch.arange(10)[None])
+    assert calls[-1]["cu_q"].tolist() == [0, 10]  # one sequence: the dense path
+
+
+def test_refusals_name_what_cannot_be_expressed(calls):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"softcap=50\.0.*attn_logit_softcapping"):
+        jt.attention_forward(Attn(), q, k, v, None, softcap=50.0)
+    with pytest.raises(ValueError, match=r"dropout=0\.1"):
+        jt.attention_forward(Attn(), q, k, v, None, dropout=0.1)
+    with pytest.raises(ValueError, match=r"s_aux"):
+        jt.attention_forward(Attn(), q, k, v, None, s_aux=torch.zeros(4))
+    with pytest.raises(ValueError, match=r"2D padding mask.*\(2, 1, 7, 7\)"):
+        jt.attention_forward(Attn(), q, k, v, torch.ones(2, 1, 7, 7, dtype=torch.bool))
+    holes = torch.tensor([[1, 1, 0, 1, 1, 1, 1], [1] * 7], dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"gaps inside a row.*sliding window"):
+        jt.attention_forward(Attn(), q, k, v, holes, sliding_window=3)
+    out, _ = jt.attention_forward(Attn(), q, k, v, holes)  # without a window, gaps are fine (unpad keeps order)
+    assert calls[-1]["cu_k"].tolist() == [0, 6, 13] and calls[-1]["window"] == (-1, 0)
+    torch.testing.assert_close(out[holes].double(), sdpa(q, k, v, mask=holes)[holes], rtol=0, atol=1e-5)
+
+
+def test_float32_runs_under_autocast_and_is_refused_without(calls, monkeypatch):
+    monkeypatch.setattr(jt, "_DTYPES", (torch.float16, torch.bfloat16))
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"float16 or bfloat16.*dtype=torch\.bfloat16.*autocast"):
+        jt.attention_forward(Attn(), q, k, v, None)
+    with torch.autocast("cpu", dtype=BF16):
+        out, _ = jt.attention_forward(Attn(), q, k, v, None)
+    assert out.dtype == BF16 and calls[-1]["q"].dtype == BF16
+
+
+# ---------------------------------------------------------------- whole models against sdpa
+def llama_config(**kw):
+    return transformers.LlamaConfig(vocab_size=100, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                    initializer_range=0.2, pad_token_id=0, **kw)
+
+
+def mistral_config(**kw):
+    return transformers.MistralConfig(vocab_size=100, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      sliding_window=6, initializer_range=0.2, pad_token_id=0, **kw)
+
+
+def gemma2_config(**kw):
+    kw.setdefault("attn_logit_softcapping", None)
+    return transformers.Gemma2Config(vocab_size=100, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                     max_position_embeddings=128, sliding_window=6, query_pre_attn_scalar=48,
+                                     final_logit_softcapping=None, initializer_range=0.2, pad_token_id=0, **kw)
+
+
+CONFIGS = {"llama": llama_config, "mistral": mistral_config, "gemma2": gemma2_config}
+
+
+def pair(name, **kw):
+    """The same random weights under sdpa and under jitattn (float32, eval)."""
+    torch.manual_seed(0)
+    ours = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](**kw), attn_implementation="jitattn")
+    theirs = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](**kw), attn_implementation="sdpa")
+    theirs.load_state_dict(ours.state_dict())
+    return ours.eval(), theirs.eval()
+
+
+def prompts(seed=1):
+    """Two left-padded prompts of 11 and 7 tokens (ids >= 1; 0 is the pad)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 100, (2, 11), generator=g)
+    mask = torch.ones(2, 11, dtype=torch.long)
+    ids[1, :4], mask[1, :4] = 0, 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_with_padding_match_sdpa(calls, name):
+    ours, theirs = pair(name)
+    ids, mask = prompts()
+    with torch.no_grad():
+        got = ours(ids, attention_mask=mask).logits
+        want = theirs(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], want[valid], rtol=1e-4, atol=1e-4)
+    assert any(c["window"][0] == 5 for c in calls) == (name != "llama")  # the sliding window reached varlen
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_greedy_generation_with_the_kv_cache_matches_sdpa(calls, name):
+    ours, theirs = pair(name)
+    ids, mask = prompts(seed=2)
+    common = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        got = ours.generate(ids, **common)
+        want = theirs.generate(ids, **common)
+    assert torch.equal(got, want)
+    assert any(c["max_q"] == 1 for c in calls)  # decode steps through varlen
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_packed_training_step_matches_unpacked_sdpa(calls, name):
+    """DataCollatorWithFlattening (with and without the flash kwargs) against a padded batch."""
+    ours, theirs = pair(name)
+    ours.train(), theirs.train()
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(1, 100, (n,), generator=g).tolist() for n in (9, 5, 12)]
+    features = [{"input_ids": s, "labels": s} for s in seqs]
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    labels = torch.tensor([s + [-100] * (width - len(s)) for s in seqs])
+    mask = (labels != -100).long()
+    theirs.zero_grad()
+    theirs(ids, attention_mask=mask, labels=labels).loss.backward()
+    want_loss = theirs(ids, attention_mask=mask, labels=labels).loss.item()
+    for flash_kwargs in (False, True):
+        batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(features)
+        ours.zero_grad()
+        loss = ours(**batch).loss
+        loss.backward()
+        assert loss.item() == pytest.approx(want_loss, rel=1e-5, abs=1e-5)
+        for (pname, p), q in zip(ours.named_parameters(), theirs.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {pname}: {m}")
+    assert calls[-1]["cu_q"].tolist() == [0, 9, 14, 26] and calls[-1]["q"].requires_grad
+
+
+def test_gemma2_soft_cap_is_refused_naming_it(calls):
+    model = transformers.AutoModelForCausalLM.from_config(gemma2_config(attn_logit_softcapping=50.0),
+                                                          attn_implementation="jitattn")
+    with pytest.raises(ValueError, match="softcap=50.0"):
+        model(torch.randint(1, 100, (1, 5)))
