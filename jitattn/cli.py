@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -12,7 +13,7 @@ from pathlib import Path
 from jitattn.jit import cache, env, keys, toolchain
 from jitattn.jit.manifest import expand, read_manifest, unique
 from jitattn.jit.registry import spec_from_dict
-from jitattn.jit.spec import KernelSpec
+from jitattn.jit.spec import DTYPE_TAGS, KernelSpec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     pw.add_argument("--force", action="store_true", help="rebuild even if cached")
     pw.add_argument("--spec", action="append", default=[], help="one spec as JSON, e.g. "
                     "'{\"family\": \"decode\", \"head_dim\": 128}' (repeatable)")
-    _add_decode_flags(pw)
+    _add_spec_flags(pw)
     pw.set_defaults(handler=cmd_prewarm)
 
     c = sub.add_parser("cache", help="inspect and manage the cache")
@@ -85,21 +86,95 @@ def _parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("explain", help="print the key components of a specialization")
     ex.add_argument("--arch", help="target arch list (default: as a call would resolve it)")
     ex.add_argument("--spec", action="append", default=[], help="spec as JSON")
-    _add_decode_flags(ex)
+    _add_spec_flags(ex)
     ex.set_defaults(handler=cmd_explain)
     return p
 
 
-def _add_decode_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("decode specializations (lists expand to a cross product)")
-    g.add_argument("--head-dim", type=int, nargs="+")
-    g.add_argument("--dtype", nargs="+", choices=["float16", "bfloat16"], help="q dtype")
-    g.add_argument("--kv-dtype", nargs="+", choices=["float16", "bfloat16"], help="k/v dtype (default: = q)")
-    g.add_argument("--group-size", type=int, nargs="+", help="num_qo_heads // num_kv_heads")
-    g.add_argument("--soft-cap", choices=["on", "off", "both"], default="off")
+# Spec flags -> the field each sets: the first of these names that the family's spec takes.
+# Families are found through the registry (`registry.families()`), never named here; a flag
+# applies to every chosen family that has its field.
+SPEC_FLAGS = {
+    "head_dim": ("head_dim",),
+    "dtype": ("dtype", "dtype_q"),
+    "kv_dtype": ("dtype_kv",),
+    "group_size": ("group_size",),
+    "pos_encoding": ("pos_encoding",),
+    "soft_cap": ("soft_cap",),
+    "tensor_cores": ("tensor_cores",),
+    "paged": ("paged",),
+    "decode": ("decode",),
+    "wgmma": ("wgmma",),
+}
+BOOLEAN_FLAGS = ("soft_cap", "tensor_cores", "paged", "decode", "wgmma")
+_SWITCH = {"on": [True], "off": [False], "both": [False, True]}
+
+
+def _add_spec_flags(p: argparse.ArgumentParser) -> None:
+    from jitattn.jit.registry import families
+
+    dtypes = list(DTYPE_TAGS)
+    g = p.add_argument_group(
+        "specializations from flags (each list as '64,128' or '64 128'; lists expand to a cross product; "
+        "what a flag leaves out, the family defaults or, where a call picks at run time, covers)")
+    g.add_argument("--family", nargs="+", metavar="NAME",
+                   help=f"kernel families: {', '.join(sorted(families()))} (default: decode)")
+    g.add_argument("--head-dim", nargs="+", metavar="D")
+    g.add_argument("--dtype", nargs="+", metavar="DTYPE", help="q dtype (decode), dtype (varlen): float16, bfloat16")
+    g.add_argument("--kv-dtype", nargs="+", metavar="DTYPE",
+                   help=f"decode k/v dtype (default: = q): {', '.join(dtypes)}")
+    g.add_argument("--group-size", nargs="+", metavar="G", help="decode: num_qo_heads // num_kv_heads")
+    g.add_argument("--pos-encoding", nargs="+", metavar="MODE", help="decode: NONE, ROPE_LLAMA, ALIBI")
+    for flag, what in (("soft-cap", "decode: logits soft cap"), ("tensor-cores", "decode: ask for tensor cores"),
+                       ("paged", "varlen: paged KV (default both)"),
+                       ("decode", "varlen: the decode tile shape (default both)"),
+                       ("wgmma", "varlen: the sm_90 wgmma prefill rung (default: where the archs run it)")):
+        g.add_argument(f"--{flag}", choices=list(_SWITCH), help=what)
+    g.add_argument("--dry-run", action="store_true", help="print the specializations and stop")
+
+
+def _items(flag: str, raw: list[str], kind: str):
+    """'64,128' '256' -> [64, 128, 256] (ints for head_dim/group_size, names otherwise)."""
+    values = [item.strip() for token in raw for item in token.split(",") if item.strip()]
+    if not values:
+        raise ValueError(f"--{flag.replace('_', '-')} needs at least one value")
+    if kind == "int":
+        try:
+            return [int(v) for v in values]
+        except ValueError:
+            raise ValueError(f"--{flag.replace('_', '-')} takes integers, got {raw}") from None
+    return values
+
+
+def _check_choices(flag: str, values, choices) -> None:
+    bad = [v for v in values if v not in choices]
+    if bad:
+        raise ValueError(f"--{flag.replace('_', '-')}: {bad} not among {list(choices)}")
+
+
+def _flag_values(args) -> dict[str, list]:
+    """The spec flags given, as lists of field values."""
+    given = {}
+    for flag in SPEC_FLAGS:
+        raw = getattr(args, flag, None)
+        if raw is None:
+            continue
+        if flag in BOOLEAN_FLAGS:
+            given[flag] = _SWITCH[raw]
+            continue
+        values = _items(flag, raw, "int" if flag in ("head_dim", "group_size") else "name")
+        if flag in ("dtype", "kv_dtype"):
+            _check_choices(flag, values, ["float16", "bfloat16"] if flag == "dtype" else list(DTYPE_TAGS))
+        elif flag == "pos_encoding":
+            values = [v.upper() for v in values]
+            _check_choices(flag, values, ["NONE", "ROPE_LLAMA", "ALIBI"])
+        given[flag] = values
+    return given
 
 
 def _specs_from_args(args) -> list[KernelSpec]:
+    from jitattn.jit.registry import family
+
     specs: list[KernelSpec] = []
     for path in getattr(args, "manifests", []):
         specs += read_manifest(path)
@@ -109,23 +184,54 @@ def _specs_from_args(args) -> list[KernelSpec]:
         except ValueError as exc:
             raise ValueError(f"--spec is not valid JSON ({exc}): {raw}") from None
         specs += [spec_from_dict(d) for d in expand(data)]
-    if args.head_dim:
-        for d, dt, kv, gs, cap in _cross(args):
-            specs.append(spec_from_dict({"family": "decode", "head_dim": d, "dtype_q": dt, "dtype_kv": kv or dt,
-                                         "soft_cap": cap, "group_size": gs}))
-    elif args.dtype or args.group_size or args.kv_dtype:
-        raise ValueError("decode flags need --head-dim")
+    given = _flag_values(args)
+    names = _items("family", args.family, "name") if args.family else []
+    if not given and not names:
+        return unique(specs)
+    if "head_dim" not in given:
+        raise ValueError("spec flags (--family, --dtype, --kv-dtype, ...) need --head-dim")
+    archs = _archs_or_none()
+    used = set()
+    for name in names or ["decode"]:
+        cls = family(name)
+        accepted = cls.accepted_fields()
+        fields = {}
+        for flag, values in given.items():
+            field = next((f for f in SPEC_FLAGS[flag] if f in accepted), None)
+            if field is not None:
+                fields[field] = values
+                used.add(flag)
+        for combo in itertools.product(*fields.values()):
+            for variant in cls.prewarm_variants(dict(zip(fields, combo)), archs):
+                specs.append(spec_from_dict({"family": name, **variant}))
+    unused = [f"--{flag.replace('_', '-')}" for flag in given if flag not in used]
+    if unused:
+        known = {n: sorted(family(n).accepted_fields()) for n in names or ["decode"]}
+        raise ValueError(f"{', '.join(unused)} applies to none of the families {list(known)} (their fields: {known})")
     return unique(specs)
 
 
-def _cross(args):
-    caps = {"on": [True], "off": [False], "both": [False, True]}[args.soft_cap]
-    for d in args.head_dim:
-        for dt in args.dtype or ["float16"]:
-            for kv in args.kv_dtype or [None]:
-                for gs in args.group_size or [1]:
-                    for cap in caps:
-                        yield d, dt, kv, gs, cap
+def _archs_or_none() -> tuple[str, ...]:
+    """The target archs, or () when nothing names any (a dry run on a machine without a GPU)."""
+    from jitattn.errors import ToolchainError
+
+    try:
+        return toolchain.target_archs()[0]
+    except ToolchainError:
+        return ()
+
+
+def _print_specs(command: str, specs: list[KernelSpec]) -> None:
+    archs = _archs_or_none()
+    print(f"{command} --dry-run: {len(specs)} specializations for {','.join(archs) or '(no target arch set)'}")
+    for spec in specs:
+        targets = ""
+        if archs:
+            try:
+                targets = f"  [{','.join(spec.archs_for(archs))}]"
+            except ValueError as exc:
+                targets = f"  [cannot build: {exc}]"
+        print(f"  {spec.name}{targets}\n    {json.dumps(spec.to_dict())}")
 
 
 def _apply_arch(arch: str | None) -> None:
@@ -141,6 +247,9 @@ def cmd_prewarm(args) -> int:
     specs = _specs_from_args(args)
     if not specs:
         raise ValueError("nothing to prewarm: give manifests, --spec or --head-dim")
+    if args.dry_run:
+        _print_specs("prewarm", specs)
+        return 0
     archs, source = toolchain.target_archs()
     jobs = args.jobs or default_jobs()
     root = env.cache_dir()
@@ -323,6 +432,9 @@ def cmd_explain(args) -> int:
     specs = _specs_from_args(args)
     if not specs:
         raise ValueError("explain needs --spec or --head-dim")
+    if args.dry_run:
+        _print_specs("explain", specs)
+        return 0
     for spec in specs:
         target = loader.current_target(spec)
         parts = keys.components(spec, target)

@@ -392,3 +392,159 @@ def test_explain_reports_a_cached_entry_as_present(warm_cache, capsys):
 def test_explain_with_nothing_exits_2(capsys):
     code, _, err = run_cli(capsys, "explain")
     assert code == 2 and "explain needs --spec or --head-dim" in err
+
+
+# ------------------------------------------------------------------ spec flags for every family
+from jitattn.jit import registry  # noqa: E402
+from jitattn.varlen.spec import VarlenSpec  # noqa: E402
+
+
+def dry_run(capsys, *argv):
+    code, out, err = run_cli(capsys, *argv, "--dry-run")
+    assert code == 0, err
+    return [json.loads(line) for line in out.splitlines() if line.startswith("    {")], out
+
+
+@pytest.fixture
+def no_builds(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a dry run must build nothing")
+
+    monkeypatch.setattr("jitattn.jit.prewarm.prewarm", refuse)
+
+
+def test_prewarm_varlen_dry_run_lists_what_calls_on_the_arch_run(capsys, no_builds):
+    """The issue's first acceptance command: every spec a varlen call of those head dims and dtype
+    may run on sm_90 (both paging modes and tile shapes; prefill on the wgmma rung there)."""
+    got, out = dry_run(capsys, "prewarm", "--family", "varlen", "--head-dim", "64,128", "--dtype", "bfloat16",
+                       "--arch", "9.0")
+    want = [VarlenSpec(d, "bfloat16", paged, decode, wgmma=not decode)
+            for d in (64, 128) for paged in (False, True) for decode in (False, True)]
+    assert [registry.spec_from_dict(d) for d in got] == want
+    assert "prewarm --dry-run: 8 specializations for 9.0" in out
+    assert "varlen_bf16_d64_prefill_wgmma_m8x1n64s3  [9.0a]" in out and "varlen_bf16_d64_decode_m1x1n64s3  [9.0]" in out
+
+
+def test_prewarm_decode_dry_run_with_fp8_and_rope(capsys, no_builds):
+    """The issue's second acceptance command: the kernel a call with fp8 K/V and RoPE runs."""
+    got, out = dry_run(capsys, "prewarm", "--head-dim", "128", "--kv-dtype", "float8_e4m3fn", "--pos-encoding",
+                       "ROPE_LLAMA", "--arch", "9.0")
+    want = DecodeSpec.for_call(128, "float16", "float8_e4m3fn", "ROPE_LLAMA", False, 1)
+    assert [registry.spec_from_dict(d) for d in got] == [want]
+    assert f"  {want.name}  [9.0]" in out
+
+
+def test_lists_take_commas_and_spaces_alike(capsys, no_builds):
+    commas, _ = dry_run(capsys, "prewarm", "--head-dim", "64,128", "--dtype", "float16,bfloat16", "--group-size",
+                        "1,", "8", "--arch", "9.0")
+    spaces, _ = dry_run(capsys, "prewarm", "--head-dim", "64", "128", "--dtype", "float16", "bfloat16",
+                        "--group-size", "1", "8", "--arch", "9.0")
+    assert commas == spaces and len(commas) == 8
+    want = [DecodeSpec.for_call(d, dt, dt, "NONE", False, g) for d in (64, 128) for dt in ("float16", "bfloat16")
+            for g in (1, 8)]
+    assert [registry.spec_from_dict(d) for d in commas] == want
+
+
+def test_decode_flags_cover_pos_encoding_fp8_soft_cap_and_tensor_cores(capsys, no_builds):
+    got, _ = dry_run(capsys, "prewarm", "--head-dim", "128", "--dtype", "bfloat16", "--kv-dtype",
+                     "float8_e5m2,bfloat16", "--pos-encoding", "alibi", "--soft-cap", "on", "--tensor-cores", "on",
+                     "--group-size", "4")
+    want = [DecodeSpec.for_call(128, "bfloat16", kv, "ALIBI", True, 4, use_tensor_cores=True)
+            for kv in ("float8_e5m2", "bfloat16")]
+    assert [registry.spec_from_dict(d) for d in got] == want
+
+
+def test_varlen_switches_pick_paging_tile_and_rung(capsys, no_builds):
+    got, _ = dry_run(capsys, "prewarm", "--family", "varlen", "--head-dim", "256", "--paged", "on", "--decode", "off",
+                     "--wgmma", "both", "--arch", "9.0")
+    assert [registry.spec_from_dict(d) for d in got] == [VarlenSpec(256, "float16", True, False, wgmma=w)
+                                                         for w in (False, True)]
+    got, out = dry_run(capsys, "prewarm", "--family", "varlen", "--head-dim", "128", "--decode", "off", "--paged",
+                       "off", "--arch", "8.0;9.0")  # an A100 too: the mma.sync prefill rung for it
+    assert [registry.spec_from_dict(d) for d in got] == [VarlenSpec(128, "float16", False, False, wgmma=True),
+                                                         VarlenSpec(128, "float16", False, False)]
+    assert "[9.0a]" in out and "[8.0,9.0]" in out
+
+
+def test_several_families_in_one_command(capsys, no_builds):
+    got, _ = dry_run(capsys, "prewarm", "--family", "decode,varlen", "--head-dim", "64", "--dtype", "bfloat16",
+                     "--group-size", "4", "--decode", "on", "--paged", "off", "--arch", "9.0")
+    assert [registry.spec_from_dict(d) for d in got] == [
+        DecodeSpec.for_call(64, "bfloat16", "bfloat16", "NONE", False, 4), VarlenSpec(64, "bfloat16", False, True)]
+
+
+def test_a_registered_family_gets_the_flags_without_the_cli_naming_it(capsys, no_builds, monkeypatch):
+    """--family takes whatever the registry holds (a backward family, say): flags map by field name."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from jitattn.jit.spec import KernelSpec
+
+    @dataclass(frozen=True)
+    class OtherSpec(KernelSpec):
+        family: ClassVar[str] = "other"
+        head_dim: int
+        dtype: str = "float16"
+        deterministic: bool = False
+
+        @property
+        def name(self):
+            return f"other_{self.dtype}_d{self.head_dim}"
+
+    monkeypatch.setitem(registry._families, "other", OtherSpec)
+    got, _ = dry_run(capsys, "prewarm", "--family", "other", "--head-dim", "64,128", "--dtype", "bfloat16")
+    assert got == [{"family": "other", "head_dim": d, "dtype": "bfloat16", "deterministic": False} for d in (64, 128)]
+    code, _, err = run_cli(capsys, "prewarm", "--family", "other", "--head-dim", "64", "--paged", "on", "--dry-run")
+    assert code == 2 and "--paged applies to none of the families ['other']" in err and "deterministic" in err
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--head-dim", "128", "--paged", "on"], "--paged applies to none of the families ['decode']"),
+    (["--family", "varlen", "--head-dim", "128", "--group-size", "4"], "--group-size applies to none"),
+    (["--head-dim", "128", "--kv-dtype", "float8_e4m3"], "--kv-dtype: ['float8_e4m3'] not among"),
+    (["--head-dim", "128", "--pos-encoding", "rope"], "--pos-encoding: ['ROPE'] not among"),
+    (["--head-dim", "12x"], "--head-dim takes integers"),
+    (["--head-dim", ","], "--head-dim needs at least one value"),
+    (["--family", "prefill", "--head-dim", "64"], "unknown kernel family 'prefill'"),
+    (["--family", "varlen"], "need --head-dim"),
+], ids=["paged-for-decode", "group-for-varlen", "bad-kv-dtype", "bad-pos-encoding", "bad-int", "empty-list",
+        "unknown-family", "no-head-dim"])
+def test_bad_spec_flags_exit_2_naming_the_flag(capsys, no_builds, argv, named):
+    code, out, err = run_cli(capsys, "prewarm", *argv, "--dry-run")
+    assert code == 2 and named in err, err
+    assert "specializations for" not in out
+
+
+def test_explain_takes_the_same_flags(capsys, no_builds):
+    got, out = dry_run(capsys, "explain", "--family", "varlen", "--head-dim", "64,128", "--dtype", "bfloat16",
+                       "--arch", "9.0")
+    prewarm, _ = dry_run(capsys, "prewarm", "--family", "varlen", "--head-dim", "64,128", "--dtype", "bfloat16",
+                         "--arch", "9.0")
+    assert got == prewarm and out.startswith("explain --dry-run: 8 specializations")
+
+
+@pytest.mark.compile
+def test_explain_of_a_varlen_flag_spec_prints_its_key(cache_root, capsys, monkeypatch):
+    require_nvcc()
+    code, out, err = run_cli(capsys, "explain", "--family", "varlen", "--head-dim", "64", "--paged", "off",
+                             "--decode", "on", "--arch", "9.0")
+    assert code == 0, err
+    spec = VarlenSpec(64, "float16", False, True)
+    monkeypatch.setenv("JITATTN_CUDA_ARCH_LIST", "9.0")
+    assert out.startswith(spec.name + "\n") and f"  key {keys.key_of(keys.components(spec, loader.current_target(spec)))}" in out
+
+
+@pytest.mark.compile
+def test_prewarm_builds_the_fp8_rope_kernel_it_says(tmp_path):
+    """One real build from the flags, in a child process: what the dry run lists is what lands."""
+    require_nvcc()
+    root = tmp_path / "cache"
+    argv = ("prewarm", "--head-dim", "128", "--kv-dtype", "float8_e4m3fn", "--pos-encoding", "ROPE_LLAMA",
+            "--arch", "9.0")
+    listed = cli_process(*argv, "--dry-run", root=root)
+    assert listed.returncode == 0, listed.stderr
+    built = cli_process(*argv, root=root, timeout=600)
+    assert built.returncode == 0, built.stderr
+    spec = DecodeSpec.for_call(128, "float16", "float8_e4m3fn", "ROPE_LLAMA", False, 1)
+    assert f"  {spec.name}  [9.0]" in listed.stdout and "built 1, already cached 0, failed 0" in built.stdout
+    assert only_entry(root).name.startswith(spec.name + "-")

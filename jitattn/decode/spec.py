@@ -16,6 +16,7 @@ class DecodeSpec(KernelSpec):
     """single_decode_with_kv_cache: one query token per head, split-KV over the sequence."""
 
     family: ClassVar[str] = "decode"
+    shorthands: ClassVar[tuple[str, ...]] = ("group_size",)  # the GQA group: from_fields resolves it
     sources: ClassVar[dict[str, str]] = {
         "binding.cpp": "decode/binding.cpp.j2",
         "kernels.cu": "decode/kernels.cu.j2",
@@ -64,6 +65,14 @@ class DecodeSpec(KernelSpec):
                                                or (pos_encoding == "ROPE_LLAMA" and not fp8))
         tile = cls.tensor_core_group_tile(group_size) if tensor_cores else cls.group_tile_for(group_size, dtype_kv)
         return cls(head_dim, dtype_q, dtype_kv, pos_encoding, soft_cap, tile, tensor_cores)
+
+    @classmethod
+    def prewarm_variants(cls, fields: dict, archs: tuple[str, ...]) -> list[dict]:
+        """Without a group (size or tile), the kernel an MHA call (group 1) runs: through
+        `for_call`, so RoPE or tensor cores pick the kernel a call would."""
+        if "group_size" not in fields and "group_tile" not in fields:
+            fields = {**fields, "group_size": 1}
+        return [fields]
 
     @classmethod
     def from_fields(cls, data: dict) -> "DecodeSpec":

@@ -20,6 +20,8 @@ class KernelSpec:
     family: ClassVar[str] = ""
     # Templates rendered for this family: output file name -> template path under templates/.
     sources: ClassVar[dict[str, str]] = {}
+    # Names `from_fields` takes besides the dataclass fields (shorthands the family resolves).
+    shorthands: ClassVar[tuple[str, ...]] = ()
 
     @property
     def name(self) -> str:
@@ -37,6 +39,18 @@ class KernelSpec:
 
     def to_dict(self) -> dict:
         return {"family": self.family, **self.params()}
+
+    @classmethod
+    def accepted_fields(cls) -> set[str]:
+        """Every name `from_fields` takes (the command line maps its flags onto these)."""
+        return {f.name for f in dataclasses.fields(cls)} | set(cls.shorthands)
+
+    @classmethod
+    def prewarm_variants(cls, fields: dict, archs: tuple[str, ...]) -> list[dict]:
+        """The field sets a prewarm of `fields` (what a command line named; the rest default)
+        builds for target `archs`: every spec a call with those fields may run. By default just
+        `fields`; a family whose calls choose among kernels at run time lists them all."""
+        return [dict(fields)]
 
     @classmethod
     def from_fields(cls, data: dict) -> "KernelSpec":

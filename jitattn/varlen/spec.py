@@ -47,6 +47,25 @@ class VarlenSpec(KernelSpec):
             if getattr(self, name) == 0:
                 object.__setattr__(self, name, value)
 
+    @classmethod
+    def prewarm_variants(cls, fields: dict, archs: tuple[str, ...]) -> list[dict]:
+        """What varlen calls with these fields may run on `archs`: both paging modes and both
+        tile shapes unless named (a call picks the shape from its batch); for prefill the wgmma
+        rung where sm_90 is a target and the head_dim fits, and the mma.sync one where another
+        arch is (or the shape does not fit, or no arch is known). `wgmma` named: as named."""
+        hopper = any(a.rstrip("a") == "9.0" for a in archs)
+        other = not archs or any(a.rstrip("a") != "9.0" for a in archs)
+        variants = []
+        for paged in [fields["paged"]] if "paged" in fields else [False, True]:
+            for decode in [fields["decode"]] if "decode" in fields else [False, True]:
+                if "wgmma" in fields:
+                    rungs = [fields["wgmma"]]
+                else:
+                    fits = cls.wgmma_fits(fields.get("head_dim", 0), decode)
+                    rungs = ([True] if fits and hopper else []) + ([False] if other or not fits else [])
+                variants += [{**fields, "paged": paged, "decode": decode, "wgmma": w} for w in rungs]
+        return variants
+
     @staticmethod
     def wgmma_fits(head_dim: int, decode: bool) -> bool:
         """Shapes the wgmma rung covers (the caller also needs an sm_90 GPU)."""
