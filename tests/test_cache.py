@@ -112,6 +112,86 @@ def test_a_manifest_of_another_key_does_not_verify_even_without_a_key(tmp_path):
     assert cache.read_entry(path) is None
 
 
+# ----------------------------------------------------------------------------- verified stamps
+
+
+@pytest.fixture
+def hashes(monkeypatch):
+    """How many times read_entry hashed a library."""
+    calls = []
+    real = cache.file_digest
+    monkeypatch.setattr(cache, "file_digest", lambda path: calls.append(path) or real(path))
+    return calls
+
+
+def test_a_full_hash_stamps_the_library_and_the_next_read_trusts_the_stamp(tmp_path, hashes):
+    path = publish_entry(tmp_path, make_key("s"))
+    hashes.clear()  # write_manifest's own hash
+    stamps = tmp_path / cache.STAMPS
+    first = cache.read_entry(path, stamps=stamps)
+    assert first is not None and len(hashes) == 1
+    assert len(list(stamps.iterdir())) == 1
+    assert cache.read_entry(path, stamps=stamps) == first and len(hashes) == 1  # no second hash
+    assert cache.read_entry(path) == first and len(hashes) == 2  # without stamps: always a hash
+
+
+@pytest.mark.parametrize("change", ["same-size-bytes-mtime-restored", "replaced-same-bytes", "truncated"])
+def test_a_changed_library_is_hashed_again_and_a_corrupt_one_never_loads(tmp_path, hashes, change):
+    import os
+
+    path = publish_entry(tmp_path, make_key("c"), payload=b"\x7fELF" + bytes(range(200)))
+    stamps = tmp_path / cache.STAMPS
+    assert cache.read_entry(path, stamps=stamps) is not None
+    so = path / cache.LIBRARY
+    before = so.stat()
+    data = so.read_bytes()
+    if change == "same-size-bytes-mtime-restored":  # in place, then the old mtime put back
+        so.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+        os.utime(so, ns=(before.st_atime_ns, before.st_mtime_ns))
+    elif change == "replaced-same-bytes":  # a new file (inode) with the same bytes: still valid
+        tmp = so.with_name("new.so")
+        tmp.write_bytes(data)
+        os.replace(tmp, so)
+    else:
+        so.write_bytes(data[:10])
+    hashed = len(hashes)
+    entry = cache.read_entry(path, stamps=stamps)
+    if change == "replaced-same-bytes":
+        assert entry is not None and len(hashes) == hashed + 1  # hashed again, then stamped anew
+        assert cache.read_entry(path, stamps=stamps) is not None and len(hashes) == hashed + 1
+    else:
+        assert entry is None
+        assert change == "truncated" or len(hashes) == hashed + 1  # the stamp did not vouch for it
+
+
+def test_a_stamp_for_another_hash_or_path_vouches_for_nothing(tmp_path, hashes):
+    path = publish_entry(tmp_path, make_key("f"))
+    stamps = tmp_path / cache.STAMPS
+    assert cache.read_entry(path, stamps=stamps) is not None
+    (stamp,) = stamps.iterdir()
+    record = json.loads(stamp.read_text())
+    for forged in ({**record, "sha256": "0" * 64}, {**record, "path": "/elsewhere/module.so"}, "not json"):
+        stamp.write_text(forged if isinstance(forged, str) else json.dumps(forged))
+        hashed = len(hashes)
+        assert cache.read_entry(path, stamps=stamps) is not None and len(hashes) == hashed + 1
+
+
+def test_a_read_only_stamp_dir_only_costs_a_hash(tmp_path, hashes):
+    path = publish_entry(tmp_path, make_key("r"))
+    hashes.clear()
+    stamps = tmp_path / "not-a-dir"
+    stamps.write_text("")  # stamps cannot be written below a file
+    for _ in range(2):
+        assert cache.read_entry(path, stamps=stamps) is not None
+    assert len(hashes) == 2
+
+
+def test_stamps_are_not_entries(tmp_path):
+    path = publish_entry(tmp_path, make_key("e"))
+    cache.read_entry(path, stamps=tmp_path / cache.STAMPS)
+    assert list(cache.entries(tmp_path)) == [path]
+
+
 # ----------------------------------------------------------------------------- publish races
 
 

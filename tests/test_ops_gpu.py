@@ -1,10 +1,12 @@
-"""The custom ops (jitattn/varlen/ops.py, jitattn/decode/api.py) on a GPU: opcheck, torch.compile(fullgraph=True), CUDA graphs."""
+"""The custom ops (jitattn/varlen/ops.py, jitattn/decode/ops.py) on a GPU: opcheck, torch.compile(fullgraph=True), CUDA graphs."""
 import pytest
 import torch
 
 import jitattn
-import jitattn.decode.api  # noqa: F401  (registers torch.ops.jitattn.single_decode_with_kv_cache)
+import jitattn.decode.api
 import jitattn.varlen.ops  # noqa: F401  (registers torch.ops.jitattn.varlen_attn*)
+
+jitattn.decode.api.ops_registered()  # registers torch.ops.jitattn.single_decode_with_kv_cache
 from jitattn.reference import single_decode_reference, varlen_attn_reference
 from tests.gpu_utils import assert_close
 

@@ -1,8 +1,8 @@
 """jitattn.single_decode_with_kv_cache: a drop-in for FlashInfer's function of that name.
 
 Reads top-down: validate -> spec -> module -> launch (the split: jitattn/decode/plan.py). See
-shared/spec/decode.md. Also registers the op `jitattn::single_decode_with_kv_cache` that
-torch.compile sees.
+shared/spec/decode.md. The op `jitattn::single_decode_with_kv_cache` that torch.compile sees is
+jitattn/decode/ops.py, registered on first use (`ops_registered`: a compiled call, or call it).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from jitattn.decode.plan import full_wave_min_tiles, split, split_budget
 from jitattn.decode.spec import DecodeSpec
 from jitattn.jit import env
 from jitattn.jit.loader import get_module
+from jitattn.lazy_ops import trace_time_constant
 
 LOG2E = 1.4426950408889634
 LAYOUTS = ("NHD", "HND")
@@ -55,7 +56,8 @@ def single_decode_with_kv_cache(
     or more (fp8 K/V included) and RoPE with fp16/bf16 K/V (the rule and its measurements:
     DecodeSpec.for_call).
     """
-    if torch.compiler.is_compiling():  # the registered op (end of this file): opaque to the compiler
+    if torch.compiler.is_compiling():  # the registered op (jitattn/decode/ops.py): opaque to the compiler
+        ops_registered()
         out, lse = torch.ops.jitattn.single_decode_with_kv_cache(
             q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left,
             logits_soft_cap, sm_scale, rope_scale, rope_theta)
@@ -174,6 +176,18 @@ def single_decode_with_kv_cache(
     return (out, lse) if return_lse else out
 
 
+@trace_time_constant
+def ops_registered() -> bool:
+    """Register `jitattn::single_decode_with_kv_cache` (import jitattn/decode/ops.py) on first
+    use: an eager call never uses it, and registering it cost a first call ~3 ms. Under
+    torch.compile dynamo runs this at trace time (jitattn/lazy_ops.py), so the op exists
+    before the call to it is traced."""
+    from jitattn.decode import ops
+
+    ops.register(single_decode_with_kv_cache)
+    return True
+
+
 def _soft_cap(value) -> float:
     """FlashInfer's convention: 0 means no cap; otherwise a finite cap > 0."""
     return 0.0 if value == 0 and not isinstance(value, bool) else check.positive_float("logits_soft_cap", value, 0.0)
@@ -189,30 +203,3 @@ def _rope_frequencies(head_dim: int, rope_theta: float | None, rope_scale: float
     theta = 1e4 if rope_theta is None else rope_theta
     scale = 1.0 if rope_scale is None else rope_scale
     return 1.0 / (scale * 2.0 * math.pi), theta ** (-2.0 / head_dim)
-
-
-# -- torch.library: what torch.compile sees (the varlen ops live in jitattn/varlen/ops.py) -----
-# Defined from a schema string rather than with @custom_op: the same op, ~2 ms less on import,
-# which every decode process pays before its first call.
-_LIBRARY = torch.library.Library("jitattn", "FRAGMENT")
-_LIBRARY.define(
-    "single_decode_with_kv_cache(Tensor q, Tensor k, Tensor v, str kv_layout, str pos_encoding_mode, "
-    "bool use_tensor_cores, float? q_scale, float? k_scale, float? v_scale, int window_left, "
-    "float? logits_soft_cap, float? sm_scale, float? rope_scale, float? rope_theta) -> (Tensor, Tensor)")
-
-
-def _single_decode_op(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale,
-                      window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta):
-    return single_decode_with_kv_cache(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale,
-                                       v_scale, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
-                                       return_lse=True)
-
-
-def _single_decode_fake(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale,
-                        window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta):
-    # Shapes only: the real call validates everything before it launches.
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((q.shape[0],), dtype=torch.float32)
-
-
-_LIBRARY.impl("single_decode_with_kv_cache", _single_decode_op, "CompositeExplicitAutograd")
-torch.library.register_fake("jitattn::single_decode_with_kv_cache", _single_decode_fake, lib=_LIBRARY)

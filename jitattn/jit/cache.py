@@ -19,6 +19,7 @@ MANIFEST = "manifest.json"
 LIBRARY = "module.so"
 STAGING = "staging"
 LOCKS = "locks"
+STAMPS = "verified"  # <writable root>/verified/: which module.so files a full hash verified (see read_entry)
 
 
 class CacheEntry:
@@ -63,8 +64,15 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def read_entry(path: Path, key: str | None = None) -> CacheEntry | None:
-    """The verified entry at `path`, or None (absent, partial, corrupt, or another key)."""
+def read_entry(path: Path, key: str | None = None, stamps: Path | None = None) -> CacheEntry | None:
+    """The verified entry at `path`, or None (absent, partial, corrupt, or another key).
+
+    The .so must match the manifest's size and sha256. With `stamps` (a directory in the
+    writable root), a full hash that matched is remembered there as the file's identity (size,
+    mtime_ns, ctime_ns, inode, device) and its hash, and a later read of the same unchanged file
+    trusts that stamp instead of hashing again: a first call then reads a few hundred bytes, not
+    the whole library. Any rewrite or replacement of the file changes its ctime or inode (ctime
+    cannot be set from user space), so it is hashed again; `cache verify` always hashes."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         lib = manifest["library"]
@@ -72,12 +80,51 @@ def read_entry(path: Path, key: str | None = None) -> CacheEntry | None:
             return None
         if not path.name.endswith(f"-{manifest['key'][:16]}"):  # a manifest copied from another entry
             return None
-        st = (path / LIBRARY).stat()
-        if st.st_size != lib["size"] or file_digest(path / LIBRARY) != lib["sha256"]:
+        so = path / LIBRARY
+        st = so.stat()
+        if st.st_size != lib["size"]:
             return None
+        if stamps is None or not _stamped(stamps, so, st, lib["sha256"]):
+            if file_digest(so) != lib["sha256"]:
+                return None
+            if stamps is not None:
+                _stamp(stamps, so, st, lib["sha256"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return CacheEntry(path, manifest)
+
+
+def _identity(st: os.stat_result) -> list[int]:
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def _stamp_file(stamps: Path, so: Path) -> Path:
+    return stamps / (hashlib.sha256(os.path.abspath(so).encode()).hexdigest()[:32] + ".json")
+
+
+def _stamped(stamps: Path, so: Path, st: os.stat_result, sha256: str) -> bool:
+    """Whether a full hash verified this very file (same identity) as having `sha256`."""
+    try:
+        stamp = json.loads(_stamp_file(stamps, so).read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(stamp, dict) and stamp.get("path") == os.path.abspath(so) and stamp.get("sha256") == sha256
+            and stamp.get("identity") == _identity(st))
+
+
+def _stamp(stamps: Path, so: Path, before: os.stat_result, sha256: str) -> None:
+    """Record that `so`, hashed to `sha256` while its identity was `before`, verified; only if it
+    did not change while it was hashed. Best effort: a read-only root just hashes next time."""
+    try:
+        if _identity(so.stat()) != _identity(before):
+            return
+        stamps.mkdir(parents=True, exist_ok=True)
+        target = _stamp_file(stamps, so)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"path": os.path.abspath(so), "sha256": sha256, "identity": _identity(before)}))
+        os.replace(tmp, target)
+    except OSError:
+        pass
 
 
 def why_invalid(path: Path) -> str | None:
@@ -108,7 +155,7 @@ def entries(root: Path, schema: str | None = None):
     base = root / schema if schema else root
     if not base.is_dir():
         return
-    schemas = [base] if schema else [p for p in base.iterdir() if p.is_dir() and p.name not in (STAGING, LOCKS)]
+    schemas = [base] if schema else [p for p in base.iterdir() if p.is_dir() and p.name not in (STAGING, LOCKS, STAMPS)]
     for schema_dir in schemas:
         for arch_dir in sorted(p for p in schema_dir.iterdir() if p.is_dir()):
             for entry in sorted(p for p in arch_dir.iterdir() if p.is_dir()):

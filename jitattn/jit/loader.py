@@ -3,8 +3,9 @@
 Warm path (what every call after the first takes): a dict lookup. First use in a process:
 find a verified entry in a cache layer (read-only seed dirs first, then the writable root) and
 load its .so — no lock, no subprocess, no ninja, no compiler probe (toolchain versions come from
-an on-disk memo). Only on a miss, and unless strict mode is on: lock(key), look again, render,
-build in staging, publish with one rename, manifest last, load.
+an on-disk memo), and no hash of a .so a full hash already verified unchanged (cache.read_entry's
+stamps, kept in the writable root). Only on a miss, and unless strict mode is on: lock(key),
+look again, render, build in staging, publish with one rename, manifest last, load.
 """
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def _lookup(spec: KernelSpec, force: bool = False) -> _Lookup:
                 return _Lookup(None, archs, arch_tag, build)
             for layer in layers():
                 path = cache.entry_path(layer, keys.CACHE_SCHEMA, arch_tag, spec.name, key)
-                entry = cache.read_entry(path, key)
+                entry = cache.read_entry(path, key, stamps=root / cache.STAMPS)
                 if entry is not None:
                     return _Lookup(entry, archs, arch_tag)
             # Seed layers are deliberate artifacts (CI's pinned toolchain): trust them whatever
@@ -135,9 +136,10 @@ def _find_compatible(spec, archs, arch_tag, roots):
     """(verified entry matching everything but the toolchain, nearest other entry + diff)."""
     wanted = keys.components(spec, keys.BuildTarget(archs, "", ""))
     nearest = None
+    stamps = env.cache_dir() / cache.STAMPS
     for layer in roots:
         for path in reversed(cache.siblings(layer, keys.CACHE_SCHEMA, arch_tag, spec.name)):
-            entry = cache.read_entry(path)
+            entry = cache.read_entry(path, stamps=stamps)
             if entry is None:
                 nearest = nearest or (path, [f"entry does not verify: {cache.why_invalid(path)}"])
                 continue
@@ -191,7 +193,7 @@ def _build(spec, target, parts, key, root, arch_tag, reason) -> LoadedModule:
         )
     with key_lock(root / cache.LOCKS, key, spec.name, env.lock_timeout()):
         if reason != "forced":
-            entry = cache.read_entry(final, key)  # another process may have built it meanwhile
+            entry = cache.read_entry(final, key, stamps=root / cache.STAMPS)  # another process may have built it
             if entry is not None:
                 return _load(spec, entry)
             if final.exists():
@@ -215,7 +217,8 @@ def _build(spec, target, parts, key, root, arch_tag, reason) -> LoadedModule:
                 "components": parts,
                 "built": {"seconds": round(seconds, 3), "host": socket.gethostname(), "time": time.time()},
             })
-            entry = cache.read_entry(cache.publish(staging, final, replace=reason == "forced"), key)
+            entry = cache.read_entry(cache.publish(staging, final, replace=reason == "forced"), key,
+                                     stamps=root / cache.STAMPS)
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)

@@ -8,6 +8,7 @@ Eager calls skip the torch.library dispatcher (its Python custom-op path costs m
 whole launch); under torch.compile the public functions call the registered ops instead, which
 the compiler treats as opaque and shapes through their fake kernels, and calls that autograd
 must record (an input requires grad) go through the op too, as it carries the backward formula.
+The ops are registered on first use of either (`ops_registered`), or by `import jitattn.varlen.ops`.
 """
 from __future__ import annotations
 
@@ -15,13 +16,23 @@ import contextlib
 
 import torch
 
-import jitattn.varlen.ops  # noqa: F401  (registers torch.ops.jitattn.varlen_attn*)
-from jitattn.varlen.backward import check_differentiable, needs_grad
-from jitattn.varlen.checks import AuxRequest
+from jitattn.lazy_ops import trace_time_constant
+from jitattn.varlen.checks import AuxRequest, needs_grad
 from jitattn.varlen.forward import forward
 
 __all__ = ["AuxRequest", "varlen_attn", "varlen_attn_out"]
 _NO_CONTEXT = contextlib.nullcontext()
+
+
+@trace_time_constant
+def ops_registered() -> bool:
+    """Register the custom ops (import jitattn/varlen/ops.py) on first use: registering three
+    torch.library ops costs more than the rest of an eager first call, which never uses them.
+    Under torch.compile dynamo runs this at trace time (jitattn/lazy_ops.py), so the ops
+    exist before the call to them is traced."""
+    import jitattn.varlen.ops  # noqa: F401
+
+    return True
 
 
 def varlen_attn(
@@ -56,7 +67,10 @@ def varlen_attn(
     grad = needs_grad(query, key, value)
     if grad or torch.compiler.is_compiling():
         # The op carries the autograd formula, which needs the lse: asked for whenever grad is.
+        ops_registered()
         if grad:
+            from jitattn.varlen.backward import check_differentiable
+
             check_differentiable(block_table)
         out, lse = torch.ops.jitattn.varlen_attn(
             query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, list(window_size), enable_gqa,
@@ -95,6 +109,7 @@ def varlen_attn_out(
     want_lse = return_aux is not None and getattr(return_aux, "lse", False) is True
     if torch.compiler.is_compiling():
         # The op has no autograd formula: what it writes and returns is not differentiable.
+        ops_registered()
         lse = torch.ops.jitattn.varlen_attn_out(
             out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, list(window_size), enable_gqa,
             seqused_k, block_table, num_splits, want_lse)

@@ -1,6 +1,6 @@
 """Backward pass of jitattn.varlen_attn (non-paged): plain torch ops in float32, chunked.
 
-Reads top-down: what is differentiable (the checks the public functions and the autograd
+Reads top-down: what is differentiable (the check the public functions and the autograd
 registration share); `setup_context` / `backward`, which jitattn/varlen/ops.py registers as the
 autograd formula of `jitattn::varlen_attn`; the opaque custom op `jitattn::varlen_attn_backward`
 (so torch.compile traces no data-dependent loop); `varlen_attn_backward`, the math.
@@ -37,15 +37,6 @@ PAGED_NOT_DIFFERENTIABLE = (
     "block_table is an inference-only parameter. varlen_attn: paged KV has no backward pass, as in "
     "torch. Call it under torch.no_grad() (or with inputs that do not require grad), or pass packed "
     "key/value (T_k, H_kv, D) with cu_seq_k for a differentiable call")
-
-
-def needs_grad(*tensors) -> bool:
-    """Whether autograd records a call on these inputs (non-tensors count as not requiring grad)."""
-    if torch.is_grad_enabled():  # a plain loop: this runs on every eager call (the fast path)
-        for t in tensors:
-            if getattr(t, "requires_grad", False):
-                return True
-    return False
 
 
 def check_differentiable(block_table) -> None:

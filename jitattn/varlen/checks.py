@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -29,9 +28,9 @@ class AuxRequest(NamedTuple):
     lse: bool = False
 
 
-@dataclass(frozen=True)
-class VarlenArgs:
-    """What check_varlen_args derived from a valid call."""
+class VarlenArgs(NamedTuple):
+    """What check_varlen_args derived from a valid call. (A NamedTuple: a frozen dataclass cost
+    the first call ~1 ms to create.)"""
 
     num_seqs: int
     total_q: int
@@ -46,6 +45,15 @@ class VarlenArgs:
     num_splits: int | None
     return_lse: bool
     device: torch.device
+
+
+def needs_grad(*tensors) -> bool:
+    """Whether autograd records a call on these inputs (non-tensors count as not requiring grad)."""
+    if torch.is_grad_enabled():  # a plain loop: this runs on every eager call (the fast path)
+        for t in tensors:
+            if getattr(t, "requires_grad", False):
+                return True
+    return False
 
 
 def _int_dtype(name: str, t: torch.Tensor) -> None:

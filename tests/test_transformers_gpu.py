@@ -1,0 +1,176 @@
+"""GPU: small random-weight Llama, Mistral (sliding window) and Gemma-2 models with
+attn_implementation="jitattn" against transformers' own sdpa (and eager for Gemma-2), in bfloat16,
+each judged against the same weights in float32 (sdpa): logits with padding, greedy generation with
+the KV cache, one training step's loss and gradients, packed (DataCollatorWithFlattening) against
+unpacked. jitattn must be as close to float32 as bfloat16 sdpa is (a small factor of its error).
+The CPU side, with the float64 reference behind the integration: tests/test_transformers_integration.py.
+"""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import jitattn.integrations.transformers as jt  # noqa: E402
+from tests.varlen_utils import DEVICE  # noqa: E402  ("cuda"; JITATTN_TEST_DEVICE=cpu dry-runs this file)
+
+BF16 = torch.bfloat16
+pytestmark = pytest.mark.gpu if DEVICE == "cuda" else []
+
+
+@pytest.fixture(autouse=True)
+def dry_run(monkeypatch):
+    """On the CPU (a dry run of this file's logic), the float64 reference stands in for the kernels."""
+    if DEVICE == "cuda":
+        return
+    from jitattn.reference import varlen_attn_reference
+
+    def standin(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False,
+                seqused_k=None):
+        out, _ = varlen_attn_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
+                                       seqused_k=seqused_k)
+        return out.to(q.dtype)
+
+    monkeypatch.setattr(jt, "_varlen_attn", standin)
+
+
+def config(name, **kw):
+    common = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  initializer_range=0.1, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    if name == "llama":
+        return transformers.LlamaConfig(**common, **kw)
+    if name == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=16, **kw)
+    kw.setdefault("attn_logit_softcapping", None)
+    return transformers.Gemma2Config(**common, head_dim=64, sliding_window=16, query_pre_attn_scalar=80,
+                                     final_logit_softcapping=None, **kw)
+
+
+NAMES = ["llama", "mistral", "gemma2"]
+
+
+def models(name, peers=("sdpa",), **kw):
+    """{implementation: model} sharing random weights: jitattn and peers in bf16, "fp32" = sdpa in float32."""
+    jt.register()
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(config(name, **kw), attn_implementation="sdpa")
+    state = base.state_dict()
+    out = {}
+    for impl, dtype in [("jitattn", BF16), *[(p, BF16) for p in peers], ("fp32", torch.float32)]:
+        m = transformers.AutoModelForCausalLM.from_config(config(name, **kw), attn_implementation=
+                                                          "sdpa" if impl == "fp32" else impl)
+        m.load_state_dict(state)
+        out[impl] = m.to(device=DEVICE, dtype=dtype).eval()
+    return out
+
+
+def prompts(batch=4, width=40, seed=1):
+    """Left-padded prompts of lengths width, width - 7, ... (ids >= 1, 0 the pad)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 256, (batch, width), generator=g)
+    mask = torch.ones(batch, width, dtype=torch.long)
+    for i in range(batch):
+        ids[i, :7 * i], mask[i, :7 * i] = 0, 0
+    return ids.to(DEVICE), mask.to(DEVICE)
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_with_padding_are_as_close_to_float32_as_sdpa(name):
+    peers = ("sdpa", "eager") if name == "gemma2" else ("sdpa",)
+    ms = models(name, peers)
+    ids, mask = prompts()
+    valid = mask.bool()
+    with torch.no_grad():
+        logits = {impl: m(ids, attention_mask=mask).logits[valid] for impl, m in ms.items()}
+    ours = rel(logits["jitattn"], logits["fp32"])
+    for peer in peers:
+        theirs = rel(logits[peer], logits["fp32"])
+        print(f"\n{name}: logits rel error vs float32: jitattn {ours:.2e}, {peer} {theirs:.2e}")
+        assert ours <= 2 * theirs + 1e-3, f"{name}: jitattn {ours:.2e} vs {peer} {theirs:.2e}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_generation_picks_float32s_argmax(name):
+    """Each token jitattn generates (bf16, KV cache, padded batch) is float32's argmax up to bf16
+    noise: teacher-forced through the float32 model, its logit is within tol of the best."""
+    ms = models(name)
+    ids, mask = prompts(seed=2)
+    new = 24
+    common = dict(max_new_tokens=new, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ours = ms["jitattn"].generate(ids, attention_mask=mask, **common)
+        theirs = ms["sdpa"].generate(ids, attention_mask=mask, **common)
+        full_mask = torch.cat([mask, torch.ones(mask.shape[0], new, dtype=mask.dtype, device=mask.device)], 1)
+        positions = (full_mask.cumsum(-1) - 1).clamp(min=0)  # as generate numbers left-padded rows
+        logits = ms["fp32"](ours, attention_mask=full_mask, position_ids=positions).logits[:, ids.shape[1] - 1:-1]
+    chosen = logits.gather(-1, ours[:, ids.shape[1]:, None])[..., 0]
+    gap = logits.max(-1).values - chosen
+    spread = logits.std(-1).mean().item()
+    same = (ours == theirs).float().mean().item()
+    print(f"\n{name}: jitattn tokens equal to sdpa's: {same:.1%}; largest gap to float32's best {gap.max():.3f} "
+          f"(logit spread {spread:.3f})")
+    assert gap.max().item() <= 0.05 * spread + 1e-3, f"{name}: a generated token is not float32's argmax"
+
+
+def training_batches(seed=3):
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (37, 64, 13, 50)]
+    width = max(map(len, seqs))
+    padded = {"input_ids": torch.tensor([s + [0] * (width - len(s)) for s in seqs]).to(DEVICE),
+              "labels": torch.tensor([s + [-100] * (width - len(s)) for s in seqs]).to(DEVICE)}
+    padded["attention_mask"] = (padded["labels"] != -100).long()
+    features = [{"input_ids": s, "labels": s} for s in seqs]
+    packed = {}
+    for flash in (False, True):
+        b = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash)(features)
+        packed[flash] = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
+    return padded, packed
+
+
+def step(model, batch):
+    model.train()
+    model.zero_grad()
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.item(), torch.cat([p.grad.float().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_training_step_packed_and_unpacked_is_as_close_to_float32_as_sdpa(name):
+    ms = models(name)
+    padded, packed = training_batches()
+    ref_loss, ref_grad = step(ms["fp32"], padded)
+    sdpa_loss, sdpa_grad = step(ms["sdpa"], padded)
+    sdpa_err = rel(sdpa_grad, ref_grad)
+    runs = {"unpacked": padded, "packed (position_ids)": packed[False], "packed (flash kwargs)": packed[True]}
+    for label, batch in runs.items():
+        loss, grad = step(ms["jitattn"], batch)
+        err = rel(grad, ref_grad)
+        print(f"\n{name} {label}: loss {loss:.5f} (float32 {ref_loss:.5f}, sdpa {sdpa_loss:.5f}); grad rel error "
+              f"vs float32 {err:.2e} (sdpa {sdpa_err:.2e})")
+        assert abs(loss - ref_loss) <= 2 * abs(sdpa_loss - ref_loss) + 2e-3 * abs(ref_loss), f"{name} {label}: loss"
+        assert err <= 2 * sdpa_err + 1e-3, f"{name} {label}: gradients"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_packed_logits_equal_the_unpacked_ones(name):
+    model = models(name, peers=())["jitattn"]
+    padded, packed = training_batches(seed=4)
+    with torch.no_grad():
+        rows = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits
+        flat = model(**{k: v for k, v in packed[True].items() if k != "labels"}).logits[0]
+    unpacked = rows[padded["attention_mask"].bool()]
+    assert unpacked.shape == flat.shape
+    assert rel(flat, unpacked) < 1e-2, f"{name}: packed {rel(flat, unpacked):.2e} away from unpacked"
+
+
+def test_gemma2_soft_cap_is_refused_on_the_gpu_too():
+    jt.register()
+    model = transformers.AutoModelForCausalLM.from_config(config("gemma2", attn_logit_softcapping=50.0),
+                                                          attn_implementation="jitattn").to(DEVICE, BF16)
+    with pytest.raises(ValueError, match="softcap=50.0"):
+        model(torch.randint(1, 256, (1, 8), device=DEVICE))
