@@ -183,6 +183,8 @@ def test_pack_ignores_staging_litter_locks_and_logs(source, tmp_path):
     (root / cache.LOCKS).mkdir()
     (root / cache.LOCKS / "x.lock").write_text("")
     (root / "toolchains.json").write_text("{}")
+    (root / cache.STAMPS).mkdir()
+    (root / cache.STAMPS / "0123.json").write_text("{}")  # a verified stamp: this machine's, never packed
     report = artifact.pack(root, tmp_path / "c.tar")
     assert [p.path for p in report.packed] == sorted(rel(e) for e in entries)
     with tarfile.open(tmp_path / "c.tar") as tar:

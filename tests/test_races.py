@@ -348,9 +348,10 @@ def test_builds_killed_at_random_moments_never_leave_an_unverified_entry(tmp_pat
           f"phases: {sorted({o[4] for o in outcomes})}; staging litter: {len(litter)} item(s)")
     assert sum(o[3] != 0 for o in outcomes) >= KILLS // 2  # most rounds really were killed
 
-    # Litter is only ever under staging/ (besides entries: lock files, the toolchain memo, logs).
+    # Litter is only ever under staging/ (besides entries: lock files, the toolchain memo, logs,
+    # the stamps of verified libraries).
     assert {p.name for p in root.iterdir()} <= {keys.CACHE_SCHEMA, cache.STAGING, cache.LOCKS, "logs",
-                                               "toolchains.json"}, list(root.iterdir())
+                                               "toolchains.json", cache.STAMPS}, list(root.iterdir())
     before = {p: cache.read_entry(p).manifest for p in cache.entries(root)}
     pruned = _prune(root)
     assert staging_items(root) == [], pruned.stdout

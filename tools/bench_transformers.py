@@ -3,10 +3,11 @@
 PYTHONPATH=. python tools/bench_transformers.py [--layers 4] [--new 64]
 A random-weight Llama (hidden 2048, 16 query heads of 128 over 4 KV heads, bf16) on the GPU:
   generate: greedy, batch 8 prompts of 512 tokens, --new tokens each (the KV cache through the
-            model's own DynamicCache); tokens/s = generated tokens / wall time, median of 3.
+            model's own DynamicCache); tokens/s = generated tokens / wall time, median of 2
+            after a warm-up.
   train:    one forward + backward of 8 sequences of 1024 tokens, packed with
             DataCollatorWithFlattening (jitattn) and as a batch (sdpa: its padding-free path is
-            a 4D mask); tokens/s = tokens / step time, median of 5 after a warm-up.
+            a 4D mask); tokens/s = tokens / step time, median of 3 after a warm-up.
 """
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ def model(impl: str, layers: int, state=None):
                                       num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
                                       max_position_embeddings=4096, bos_token_id=None, eos_token_id=None)
     torch.manual_seed(0)
-    m = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+    with torch.device("cuda"):  # initialized on the GPU: seconds less than on the host
+        m = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl, dtype=torch.bfloat16)
     if state is not None:
         m.load_state_dict(state)
-    return m.to("cuda", torch.bfloat16)
+    return m
 
 
 def timed(fn, repeats):
@@ -63,8 +65,7 @@ def main():
         m = base if impl == "sdpa" else model(impl, args.layers, state)
         m.eval()
         with torch.no_grad():
-            gen = timed(lambda: m.generate(prompts, max_new_tokens=args.new, min_new_tokens=args.new,
-                                           do_sample=False, pad_token_id=0), 3)
+            gen = timed(lambda: m.generate(prompts, max_new_tokens=args.new, do_sample=False, pad_token_id=0), 2)
         m.train()
         inputs = packed if impl == "jitattn" else batch
 
@@ -72,7 +73,7 @@ def main():
             m.zero_grad(set_to_none=True)
             m(**inputs).loss.backward()
 
-        step = timed(train_step, 5)
+        step = timed(train_step, 3)
         rows.append((impl, prompts.shape[0] * args.new / gen, gen, 8 * 1024 / step, step))
         del m
         torch.cuda.empty_cache()
