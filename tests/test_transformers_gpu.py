@@ -5,6 +5,8 @@ the KV cache, one training step's loss and gradients, packed (DataCollatorWithFl
 unpacked. jitattn must be as close to float32 as bfloat16 sdpa is (a small factor of its error).
 The CPU side, with the float64 reference behind the integration: tests/test_transformers_integration.py.
 """
+import math
+
 import pytest
 import torch
 
@@ -141,19 +143,29 @@ def step(model, batch):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_training_step_packed_and_unpacked_is_as_close_to_float32_as_sdpa(name):
-    ms = models(name)
+    """Against bf16 sdpa and eager on the padded batch. With a sliding window and padding, bf16
+    sdpa's gradients are NaN (seen on the H200: padded query rows with no visible key), so the
+    bound is the closer of the peers whose gradients are finite."""
+    ms = models(name, peers=("sdpa", "eager"))
     padded, packed = training_batches()
     ref_loss, ref_grad = step(ms["fp32"], padded)
-    sdpa_loss, sdpa_grad = step(ms["sdpa"], padded)
-    sdpa_err = rel(sdpa_grad, ref_grad)
+    peers = {}
+    for peer in ("sdpa", "eager"):
+        loss, grad = step(ms[peer], padded)
+        peers[peer] = (loss, rel(grad, ref_grad))
+    finite = {p: v for p, v in peers.items() if math.isfinite(v[1]) and math.isfinite(v[0])}
+    assert finite, f"{name}: no peer has finite gradients: {peers}"
+    loss_bound = min(abs(loss - ref_loss) for loss, _ in finite.values())
+    err_bound = min(err for _, err in finite.values())
+    said = ", ".join(f"{p} loss {v[0]:.5f} grad {v[1]:.2e}" for p, v in peers.items())
     runs = {"unpacked": padded, "packed (position_ids)": packed[False], "packed (flash kwargs)": packed[True]}
     for label, batch in runs.items():
         loss, grad = step(ms["jitattn"], batch)
         err = rel(grad, ref_grad)
-        print(f"\n{name} {label}: loss {loss:.5f} (float32 {ref_loss:.5f}, sdpa {sdpa_loss:.5f}); grad rel error "
-              f"vs float32 {err:.2e} (sdpa {sdpa_err:.2e})")
-        assert abs(loss - ref_loss) <= 2 * abs(sdpa_loss - ref_loss) + 2e-3 * abs(ref_loss), f"{name} {label}: loss"
-        assert err <= 2 * sdpa_err + 1e-3, f"{name} {label}: gradients"
+        print(f"\n{name} {label}: loss {loss:.5f} (float32 {ref_loss:.5f}; {said}); grad rel error vs float32 "
+              f"{err:.2e}")
+        assert abs(loss - ref_loss) <= 2 * loss_bound + 2e-3 * abs(ref_loss), f"{name} {label}: loss"
+        assert err <= 2 * err_bound + 1e-3, f"{name} {label}: gradients"
 
 
 @pytest.mark.parametrize("name", NAMES)

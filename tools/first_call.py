@@ -117,12 +117,13 @@ def main():
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--tree", type=Path, action="append", default=[])
     parser.add_argument("--modes", default="decode,decode-second,varlen,breakdown")
+    parser.add_argument("--skip-self", action="store_true", help="only the --tree checkouts")
     args = parser.parse_args()
     import torch
 
     gpu = torch.cuda.is_available()
     modes = [m for m in args.modes.split(",") if gpu or m == "breakdown"]
-    for tree in [ROOT, *args.tree]:
+    for tree in ([] if args.skip_self else [ROOT]) + args.tree:
         print(f"\n== {tree} (strict={os.environ.get('JITATTN_DISABLE_JIT', '0')}, gpu={gpu})")
         for mode in modes:
             results = [run(tree, mode) for _ in range(args.runs)]
