@@ -188,9 +188,9 @@ def test_warm_load_in_a_new_process_compiles_nothing_and_starts_no_subprocess(co
 
         subprocess.Popen = forbidden
         os.system = forbidden
-        start = time.perf_counter()
+        start = time.process_time()  # this process's CPU time: other load does not stretch it
         module = loader.get_module(spec_from_dict({compiled.spec.to_dict()!r}))
-        seconds = time.perf_counter() - start
+        seconds = time.process_time() - start
         import torch
         print(json.dumps({{
             "seconds": seconds,
@@ -207,7 +207,7 @@ def test_warm_load_in_a_new_process_compiles_nothing_and_starts_no_subprocess(co
     assert report["entry"] == str(compiled.entry)
     assert report["heavy"] == [], f"the warm path imported {report['heavy']}"
     assert report["has_ops"]
-    print(f"\nwarm get_module in a new process: {report['seconds'] * 1e3:.1f} ms")
+    print(f"\nwarm get_module in a new process: {report['seconds'] * 1e3:.1f} ms of CPU")
     assert report["seconds"] < 1.0
 
 

@@ -207,8 +207,9 @@ def test_a_failed_build_leaves_no_litter_and_releases_its_lock(cache_root, tmp_p
     print(f"\nfailed build: {first:.1f} s in this process, {report['seconds']:.1f} s in a second process")
     assert report["error"] == "JitCompileError", report
     assert _error_text(report["first_error"]) == _error_text(info.value.first_error)
+    # It compiled at once: no wait was logged, and the error is the compiler's, not the lock
+    # timeout's (a wall-time bound here failed when the machine was loaded).
     assert "waiting up to" not in result.stderr and f"compiling {spec.name} (miss)" in result.stderr
-    assert report["seconds"] < 25
     assert list(cache.entries(cache_root)) == []
     assert not (cache_root / cache.STAGING).exists() or list((cache_root / cache.STAGING).iterdir()) == []
     # Both failures kept their logs.

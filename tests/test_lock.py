@@ -1,6 +1,7 @@
 """CPU tests: the per-key build lock across processes (holder in a child process)."""
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -66,15 +67,18 @@ def holder(tmp_path):
         h.kill()
 
 
-def test_waiting_past_the_timeout_names_the_lock_and_its_holder(tmp_path, holder):
+def test_waiting_past_the_timeout_names_the_lock_and_its_holder(tmp_path, holder, caplog):
     h = holder()
     lock_dir = tmp_path / "locks"
     t0 = time.monotonic()
-    with pytest.raises(CacheLockTimeout) as info:
+    with caplog.at_level(logging.INFO, logger="jitattn"), pytest.raises(CacheLockTimeout) as info:
         with key_lock(lock_dir, KEY_A, "decode_f16_kvf16_d128_posnone_cap0_g1", timeout=0.5):
             pytest.fail("acquired a lock another process holds")
     waited = time.monotonic() - t0
-    assert 0.4 <= waited < 5
+    # A wait is logged (what the tests below check the absence of).
+    assert [r for r in caplog.records if "waiting up to 0.5 s" in r.getMessage()]
+    # It waited its timeout (load can only lengthen the wait; the holder keeps it 120 s).
+    assert 0.4 <= waited < 60
     msg = str(info.value)
     assert str(lock_dir / f"{KEY_A[:32]}.lock") in msg
     assert f"{socket.gethostname()} pid {h.proc.pid}" in msg
@@ -82,27 +86,29 @@ def test_waiting_past_the_timeout_names_the_lock_and_its_holder(tmp_path, holder
     assert "JITATTN_LOCK_TIMEOUT" in msg
 
 
-def test_a_killed_holder_releases_the_lock(tmp_path, holder):
+def test_a_killed_holder_releases_the_lock(tmp_path, holder, caplog):
     h = holder()
     lock_dir = tmp_path / "locks"
     with pytest.raises(CacheLockTimeout):
         with key_lock(lock_dir, KEY_A, "x", timeout=0.2):
             pass
-    h.kill()
-    t0 = time.monotonic()
-    with key_lock(lock_dir, KEY_A, "x", timeout=10):
-        acquired_after = time.monotonic() - t0
-        # The owner file now names this process, not the dead one.
-        owner = (lock_dir / f"{KEY_A[:32]}.owner").read_text()
-        assert f"pid {os.getpid()}" in owner
-    assert acquired_after < 1.0
+    h.kill()  # returns once the holder is reaped: the kernel has released its lock
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="jitattn"):
+        with key_lock(lock_dir, KEY_A, "x", timeout=10):
+            # The owner file now names this process, not the dead one.
+            owner = (lock_dir / f"{KEY_A[:32]}.owner").read_text()
+            assert f"pid {os.getpid()}" in owner
+    # Taken at the first, non-blocking try (a time bound here failed on a loaded machine).
+    assert not [r for r in caplog.records if "waiting up to" in r.getMessage()]
 
 
-def test_different_keys_do_not_block_each_other(tmp_path, holder):
+def test_different_keys_do_not_block_each_other(tmp_path, holder, caplog):
     holder(KEY_A)
-    t0 = time.monotonic()
-    with key_lock(tmp_path / "locks", KEY_B, "other spec", timeout=0.5):
-        assert time.monotonic() - t0 < 0.4
+    with caplog.at_level(logging.INFO, logger="jitattn"):
+        with key_lock(tmp_path / "locks", KEY_B, "other spec", timeout=0.5):
+            pass
+    assert not [r for r in caplog.records if "waiting up to" in r.getMessage()]  # no wait at all
     # ... and KEY_A really is held meanwhile.
     with pytest.raises(CacheLockTimeout):
         with key_lock(tmp_path / "locks", KEY_A, "x", timeout=0.2):

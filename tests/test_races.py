@@ -28,7 +28,6 @@ from pathlib import Path
 import pytest
 
 from jitattn.jit import cache, keys, loader
-from jitattn.jit.lock import key_lock
 from jitattn.decode.spec import DecodeSpec
 from tests.conftest import require_nvcc
 from tests.procs import ARCH, ARCH_TAG, REPO, Builder, child_env, last_json, run_child
@@ -85,12 +84,20 @@ def assert_every_entry_verifies(root: Path) -> list[Path]:
 
 
 def assert_locks_free(root: Path) -> float:
-    """Take every build lock under root (a dead holder must not keep one); the longest wait."""
+    """Take every build lock under root without waiting (a dead holder must not keep one: the
+    kernel releases its lock with it), asserting none is held; the longest it took (to print).
+    A non-blocking attempt, not a time bound: a loaded machine cannot make it fail."""
+    import filelock
+
     longest = 0.0
     for lock_file in sorted((root / cache.LOCKS).glob("*.lock")):
         t0 = time.monotonic()
-        with key_lock(root / cache.LOCKS, lock_file.stem, "test", timeout=5):  # stem: key[:32]
-            pass
+        lock = filelock.FileLock(str(lock_file))
+        try:
+            lock.acquire(timeout=0)
+        except filelock.Timeout:
+            raise AssertionError(f"{lock_file} is still held after its builder died") from None
+        lock.release()
         longest = max(longest, time.monotonic() - t0)
     return longest
 
@@ -185,8 +192,14 @@ def test_eight_different_specs_build_in_parallel(tmp_path, monkeypatch):
         built = json.loads((path / cache.MANIFEST).read_text())["built"]
         spans.append((built["time"] - built["seconds"], built["time"]))
     assert max(s for s, _ in spans) < min(e for _, e in spans), spans
-    assert ratio < 6, (f"8 builds took {ratio:.2f}x one build; they got {cores_used:.2f} of "
-                       f"{os.cpu_count()} cores (load average {os.getloadavg()})")
+    # How many builds ran at once on average: their compile seconds (measured inside the lock,
+    # in the same minutes as the wall time, so other load stretches both alike) over the wall
+    # time. Builds serialized by a lock give <= 1; 8 in parallel give ~8. (A bound on `ratio`,
+    # against solo builds timed minutes apart, failed when the machine's load changed between.)
+    concurrency = sum(e - s for s, e in spans) / wall
+    print(f"average builds at once: {concurrency:.2f}")
+    assert concurrency > 4, (f"8 builds ran {concurrency:.2f} at a time on average (ratio {ratio:.2f}x one "
+                             f"build, {cores_used:.2f} of {os.cpu_count()} cores, load {os.getloadavg()})")
 
 
 def test_a_waiter_takes_over_when_the_lock_holder_is_killed(tmp_path, monkeypatch):
@@ -199,8 +212,14 @@ def test_a_waiter_takes_over_when_the_lock_holder_is_killed(tmp_path, monkeypatc
         assert time.monotonic() < deadline, "the first builder never took the lock"
         time.sleep(0.02)
     waiter.go(spec)
-    time.sleep(1.0)  # the waiter is now blocked on the lock, the holder is compiling
-    assert holder.proc.poll() is None and waiter.proc.poll() is None
+    # Until the waiter says it is blocked on the holder's lock (a fixed sleep raced a loaded
+    # machine: a waiter that reached the lock only after the kill never waited).
+    deadline = time.monotonic() + 120
+    while "waiting up to 60 s for the build lock" not in waiter.stderr():
+        assert waiter.proc.poll() is None, f"the waiter exited without waiting: {waiter.stderr()[-3000:]}"
+        assert time.monotonic() < deadline, "the waiter never blocked on the lock"
+        time.sleep(0.02)
+    assert holder.proc.poll() is None and waiter.proc.poll() is None  # the holder is still compiling
     killed_at = time.monotonic()
     holder.kill()
     rc, report, err = waiter.finish(timeout=120)
@@ -271,14 +290,16 @@ RECOVER = """
 """
 
 
-def _recover(pairs: list[tuple[Path, DecodeSpec]], timeout: float = 150) -> dict:
-    """A fresh process gets every (root, spec): must succeed within `timeout` (a lock that
-    outlived its holder would make it wait JITATTN_LOCK_TIMEOUT and fail)."""
+def _recover(pairs: list[tuple[Path, DecodeSpec]], timeout: float = 900) -> dict:
+    """A fresh process gets every (root, spec) without waiting on any lock (a lock that
+    outlived its holder would make it log the wait, then fail after JITATTN_LOCK_TIMEOUT).
+    `timeout` only bounds a hung child: the compiles themselves take what the load allows."""
     t0 = time.monotonic()
-    result = run_child(RECOVER, child_env(None, JITATTN_LOCK_TIMEOUT="30"),
+    result = run_child(RECOVER, child_env(None, JITATTN_LOCK_TIMEOUT="30", JITATTN_VERBOSE="1"),
                        args=[json.dumps([[str(r), s.to_dict()] for r, s in pairs])], timeout=timeout)
     seconds = time.monotonic() - t0
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "waiting up to" not in result.stderr, result.stderr[-3000:]
     report = last_json(result.stdout)
     report["wall"] = seconds
     assert all(load["verified"] and load["has_ops"] for load in report["loads"]), report
@@ -361,7 +382,6 @@ def test_builds_killed_at_random_moments_never_leave_an_unverified_entry(tmp_pat
     report = _recover([(root, s) for s in specs])
     print(f"recovery in a fresh process: {report['compiles']} compile(s), {report['wall']:.1f} s")
     assert [[load["entry"]] for load in report["loads"]] == [list(map(str, entries_of(root, s))) for s in specs]
-    assert report["wall"] < 150
     assert_every_entry_verifies(root)
 
 
@@ -447,7 +467,7 @@ def test_builds_killed_at_each_step_of_publishing_leave_only_verified_entries(tm
         assert_every_entry_verifies(root)
         assert state == ("published" if point == "after_publish" else "absent"), (
             point, sorted(map(str, root.rglob("*"))), err[-3000:])
-        assert assert_locks_free(root) < 1.0
+        assert_locks_free(root)
         if point != "after_publish":
             assert staging_items(root), "a killed build leaves its staging dir (until pruned)"
         _prune(root)
