@@ -161,8 +161,9 @@ def cmd_prewarm(args) -> int:
         print(f"{o.spec.name:56s} {o.status:8s} {o.seconds:8.1f}")
         if o.detail:
             print(f"    {o.detail}")
-    counts = {s: sum(o.status == s for o in outcomes) for s in ("built", "cached", "failed")}
-    print(f"\nbuilt {counts['built']}, already cached {counts['cached']}, failed {counts['failed']} "
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("built", "cached", "pulled", "failed")}
+    pulled = f", pulled from the fleet {counts['pulled']}" if counts["pulled"] else ""
+    print(f"\nbuilt {counts['built']}, already cached {counts['cached']}{pulled}, failed {counts['failed']} "
           f"in {time.perf_counter() - start:.1f} s")
     return 1 if counts["failed"] else 0
 
