@@ -398,7 +398,7 @@ def cmd_doctor(args) -> int:
     print("\nenvironment knobs:")
     for name, (default, meaning) in env.KNOBS.items():
         value = env.shown(name)  # secrets and URL passwords masked
-        print(f"  {name:26s} {value if value is not None else '(unset: ' + default + ')'}  # {meaning}")
+        print(f"  {name:36s} {value if value is not None else '(unset: ' + default + ')'}  # {meaning}")
     return 0
 
 
