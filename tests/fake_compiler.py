@@ -55,6 +55,7 @@ def compile_library(staging: Path, sources: dict, *, spec_name: str, ext_name: s
         fd = os.open(record, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.write(fd, f"{os.getpid()} {spec_name} {ext_name}\n".encode())
         os.close(fd)
+    time.sleep(float(os.environ.get("FAKE_COMPILE_SECONDS", "1.0")))
     if os.environ.get("FAKE_COMPILE_FAIL") == "1":
         raise JitCompileError(spec_name, "kernels.cu(1): error: fake compile failure", str(log_dir / "fake.log"))
     source = staging / "fake.c"
@@ -62,7 +63,6 @@ def compile_library(staging: Path, sources: dict, *, spec_name: str, ext_name: s
     subprocess.run([shutil.which("cc") or "gcc", "-shared", "-fPIC", "-o", str(staging / "module.so"), str(source)],
                    check=True, capture_output=True)
     source.unlink()
-    time.sleep(float(os.environ.get("FAKE_COMPILE_SECONDS", "1.0")))
     ctypes.CDLL(str(staging / "module.so"))  # as load_inline loads what it built
     return time.perf_counter() - start
 

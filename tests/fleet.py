@@ -25,13 +25,17 @@ def server(tmp_path):
     srv.stop()
 
 
-def node_env(root: Path | None, url: str | None, cuda_home: Path | None, **extra: str) -> dict:
+def node_env(root: Path | None, url: str | None, cuda_home: Path | str | None, **extra: str) -> dict:
     """The environment of a process on one node: its cache root, the fleet tier and secret,
-    archs 9.0, the fake toolchain and compiler (unless cuda_home is None: then no toolkit)."""
+    archs 9.0, and a toolchain: a fake CUDA home (then builds are fake compiles), "real" (this
+    machine's nvcc), or None (no toolkit at all). Libraries are fake ones (FAKE_LIBS=1: the
+    asker checks their id) unless the toolchain is real."""
     env = child_env(root, JITATTN_VERBOSE="1", JITATTN_CUDA_ARCH_LIST=ARCH)
-    env.pop("CUDA_PATH", None)
-    env["CUDA_HOME"] = str(cuda_home) if cuda_home is not None else "/nonexistent-cuda"
-    if cuda_home is not None:
+    if cuda_home != "real":
+        env.pop("CUDA_PATH", None)
+        env["CUDA_HOME"] = str(cuda_home) if cuda_home is not None else "/nonexistent-cuda"
+        env["FAKE_LIBS"] = "1"
+    if cuda_home not in (None, "real"):
         env["FAKE_COMPILE"] = "1"
     if url is not None:
         env.update(JITATTN_REMOTE_CACHE=url, JITATTN_REMOTE_CACHE_KEY=SECRET)
@@ -46,8 +50,8 @@ import json, os, sys, time
 import torch
 from jitattn.jit import cache, keys, loader
 from jitattn.jit.spec import spec_from_dict
-fake = os.environ.get("FAKE_COMPILE") == "1"
-if fake:
+fake = os.environ.get("FAKE_LIBS") == "1"
+if os.environ.get("FAKE_COMPILE") == "1":
     from tests import fake_compiler
     fake_compiler.install()
 print("ready", os.getpid(), flush=True)
