@@ -49,7 +49,7 @@ ASKER = r"""
 import json, os, sys, time
 import torch
 from jitattn.jit import cache, keys, loader
-from jitattn.jit.spec import spec_from_dict
+from jitattn.jit.registry import spec_from_dict
 fake = os.environ.get("FAKE_LIBS") == "1"
 if os.environ.get("FAKE_COMPILE") == "1":
     from tests import fake_compiler

@@ -31,7 +31,7 @@ from jitattn.errors import MissingSpecializationError, RemoteCacheError
 from jitattn.jit import artifact, build, cache, env, keys, loader, remote, signing, toolchain
 from jitattn.jit.remote import envelope
 from jitattn.jit.remote.store import RedisStore
-from jitattn.jit.spec import DecodeSpec
+from jitattn.decode.spec import DecodeSpec
 from tests import fake_compiler
 from tests.fleet import OTHER_SECRET, SECRET, server  # noqa: F401  (server: a fixture)
 from tests.procs import ARCH, ARCH_TAG

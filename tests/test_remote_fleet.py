@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from jitattn.jit import cache, keys, remote
-from jitattn.jit.spec import DecodeSpec
+from jitattn.decode.spec import DecodeSpec
 from tests import fake_compiler
 from tests.conftest import require_nvcc
 from tests.fleet import ASKER, ask_all, expected_key, node_env, server, start_askers  # noqa: F401
