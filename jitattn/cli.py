@@ -432,10 +432,14 @@ def cmd_explain(args) -> int:
 def _remote_status(key: str) -> str:
     if env.remote_cache_url() is None:
         return "not configured (JITATTN_REMOTE_CACHE)"
+    from jitattn.errors import RemoteCacheError
     from jitattn.jit import remote
     from jitattn.jit.remote import verbs
 
-    fleet = remote.tier()
+    try:
+        fleet = remote.tier()
+    except RemoteCacheError as exc:
+        return f"{env.redact_url(env.remote_cache_url())} UNUSABLE: {exc}"
     return f"{fleet.url} {remote.entry_name(key)} ({verbs.status_of(fleet, key)})"
 
 

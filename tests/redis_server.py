@@ -46,10 +46,12 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, binary: str, workdir: Path, *, password: str | None = None, maxmemory: str | None = None):
+    def __init__(self, binary: str, workdir: Path, *, password: str | None = None, maxmemory: str | None = None,
+                 tls: bool = False):
         self.binary, self.workdir = binary, Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.password, self.maxmemory = password, maxmemory
+        self.cert = self._make_certificate() if tls else None
         self.port = 0
         self.proc: subprocess.Popen | None = None
         self.paused = False
@@ -57,13 +59,33 @@ class RedisServer:
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
+        if self.cert:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.cert}"
         return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def _make_certificate(self) -> Path:
+        """A self-signed certificate for 127.0.0.1 (the server's, and the CA a client trusts)."""
+        openssl = shutil.which("openssl")
+        if openssl is None:
+            if in_ci():
+                pytest.fail("openssl not found: the TLS test needs it to make a certificate")
+            pytest.skip("openssl not found")
+        cert, key = self.workdir / "cert.pem", self.workdir / "key.pem"
+        subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                        str(cert), "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                       check=True, capture_output=True, timeout=60)
+        return cert
 
     def start(self, port: int | None = None) -> "RedisServer":
         """Start on `port` (a restart) or on a fresh free port; wait until it answers PING."""
         for attempt in range(5):
             self.port = port or free_port()
-            args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            listen = ["--port", str(self.port)]
+            if self.cert:
+                key = self.cert.with_name("key.pem")
+                listen = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.cert),
+                          "--tls-key-file", str(key), "--tls-ca-cert-file", str(self.cert), "--tls-auth-clients", "no"]
+            args = [self.binary, *listen, "--bind", "127.0.0.1", "--save", "",
                     "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "no",
                     "--daemonize", "no", "--loglevel", "warning"]
             if self.password:
@@ -95,6 +117,8 @@ class RedisServer:
     def client(self, **kw):
         import redis
 
+        if self.cert:
+            kw.update(ssl=True, ssl_ca_certs=str(self.cert))
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
                            socket_timeout=kw.pop("socket_timeout", 5), **kw)
 

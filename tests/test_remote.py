@@ -571,6 +571,28 @@ def test_a_server_that_needs_a_password_refuses_a_wrong_one_as_a_fault(tmp_path,
         secured.stop()
 
 
+def test_rediss_works_with_a_trusted_certificate_and_faults_without_one(tmp_path, monkeypatch, jlog):
+    from tests.redis_server import RedisServer, require_redis
+
+    secure = RedisServer(require_redis(), tmp_path / "tls", tls=True).start()
+    try:
+        fake_compiler.require_cc()
+        monkeypatch.setenv("FAKE_COMPILE_SECONDS", "0")
+        monkeypatch.setattr(build, "compile_library", fake_compiler.compile_library)
+        fleet = Fleet(tmp_path, monkeypatch, secure)
+        fleet.use("a")
+        assert secure.url.startswith("rediss://")
+        assert get(SPEC)[1:] == (1, 0)
+        fleet.use("b")
+        assert get(SPEC)[1:] == (0, 1)  # pulled over TLS
+        fleet.use("c", JITATTN_REMOTE_CACHE=secure.url.split("?")[0])  # no CA: the certificate is not trusted
+        assert get(SPEC)[1:] == (1, 0)
+        faults = warnings_of(jlog)
+        assert len(faults) == 1 and "CERTIFICATE_VERIFY_FAILED" in faults[0], faults
+    finally:
+        secure.stop()
+
+
 # ----------------------------------------------------------------------------- strict mode
 
 
