@@ -680,3 +680,9 @@ def test_explain_says_whether_the_remote_holds_the_key(fleet, capsys):
     fleet.use("a", JITATTN_REMOTE_CACHE=None)
     assert cli.main(["explain", "--head-dim", "64", "--group-size", "2"]) == 0
     assert "  remote     not configured (JITATTN_REMOTE_CACHE)" in capsys.readouterr().out
+
+
+def test_every_knob_is_in_the_readme_table():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    missing = [knob for knob in env.KNOBS if f"| `{knob}` |" not in readme]
+    assert not missing, f"README.md's knob table lacks {missing}"
