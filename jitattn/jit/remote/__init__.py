@@ -219,7 +219,9 @@ class FleetTier:
         log.info("pulled %s from %s (%d KiB, %.0f ms; %s)", rel, self.url, len(value) // 1024,
                  (time.perf_counter() - start) * 1e3, trusted[0])
         if not trusted[0].startswith("signed with this"):
-            self._once(logging.WARNING, ("insecure", key), "remote cache %s: loaded %s: %s", self.url, rel, trusted[0])
+            # With a secret, each unverified load is news; an unsigned fleet chose this once.
+            what = ("insecure", key) if self.secret else ("insecure",)
+            self._once(logging.WARNING, what, "remote cache %s: loaded %s: %s", self.url, rel, trusted[0])
         return entry, f"pulled from {self.url}"
 
     # ------------------------------------------------------------------ publish
