@@ -104,7 +104,8 @@ def main() -> None:
                                   stderr=subprocess.DEVNULL)
         try:
             base = {k: v for k, v in os.environ.items() if not k.startswith("JITATTN_")}
-            base.update(PYTHONPATH=str(ROOT), JITATTN_CUDA_ARCH_LIST=args.arch,
+            base.update(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                        JITATTN_CUDA_ARCH_LIST=args.arch,
                         JITATTN_REMOTE_CACHE=f"redis://127.0.0.1:{port}/0", JITATTN_REMOTE_CACHE_KEY=SECRET)
             for _ in range(200):  # wait for the server (bounded: 10 s)
                 with socket.socket() as s:
