@@ -5,9 +5,10 @@ PYTHONPATH=. python tools/remote_warm.py [--arch 9.0] [--rounds 5] [--calls 1000
 Starts its own redis-server on a free localhost port (stopped at the end), builds one decode
 specialization (head_dim 128) with nvcc into root A, which publishes it. Then, in rounds,
 each a fresh process:
-  local   a process on root A (its own build): today's warm path
   pull    a process on a new empty root B_i: the first call pulls the entry from Redis
+  local   a process on root A (its own build): today's warm path
   after   a second process on B_i: the first call after the pull, then the per-call cost
+(local and after alternate their order from round to round).
 Reports, per kind, the median over the rounds of: the first call (from after the imports to
 the module loaded, or with a GPU to the first result of single_decode_with_kv_cache) and the
 per-call cost after it (get_module, or the API call with a GPU), and whether the process imported
@@ -117,9 +118,10 @@ def main() -> None:
             rows: dict[str, list[dict]] = {"local": [], "pull": [], "after": []}
             for i in range(args.rounds):
                 calls = str(args.calls)
-                rows["local"].append(run(CHILD, {**base, "JITATTN_CACHE_DIR": str(tmp / "a")}, calls))
                 rows["pull"].append(run(CHILD, {**base, "JITATTN_CACHE_DIR": str(tmp / f"b{i}")}, calls))
-                rows["after"].append(run(CHILD, {**base, "JITATTN_CACHE_DIR": str(tmp / f"b{i}")}, calls))
+                pair = [("local", tmp / "a"), ("after", tmp / f"b{i}")]
+                for kind, root in pair if i % 2 == 0 else pair[::-1]:  # alternate: no order bias
+                    rows[kind].append(run(CHILD, {**base, "JITATTN_CACHE_DIR": str(root)}, calls))
             gpu = rows["local"][0]["gpu"]
             what = "single_decode_with_kv_cache (GPU)" if gpu else "loader.get_module (no GPU)"
             print(f"{args.rounds} rounds, fresh process each; first call and per-call cost of {what}; medians "
