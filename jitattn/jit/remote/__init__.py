@@ -354,11 +354,13 @@ class BuildTurn:
         self._stop.set()
         if self._renewer is not None:
             self._renewer.join(timeout=5)
+        self._held = False
+        if not self.fleet.available():  # a server that just faulted: its lock expires by its TTL
+            return
         try:
             self.fleet.store.release(lock_name(self.key), self.token)
         except RemoteFault as fault:
             self.fleet._fault(fault, f"releasing the fleet build lock of {self.spec_name}")
-        self._held = False
 
 
 class NoTurn:
