@@ -11,6 +11,7 @@ from jitattn.errors import (
     JitCompileError,
     JitattnError,
     MissingSpecializationError,
+    RemoteCacheError,
     ToolchainError,
 )
 
@@ -21,6 +22,7 @@ __all__ = [
     "JitCompileError",
     "JitattnError",
     "MissingSpecializationError",
+    "RemoteCacheError",
     "ToolchainError",
     "AuxRequest",
     "single_decode_with_kv_cache",

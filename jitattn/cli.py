@@ -78,6 +78,16 @@ def _parser() -> argparse.ArgumentParser:
     unpack.add_argument("--arch", help="only accept entries with code for these archs, e.g. '9.0'")
     unpack.add_argument("--max-member-mb", type=float, default=512, help="largest file accepted (default 512)")
     unpack.set_defaults(handler=cmd_cache_unpack)
+    push = csub.add_parser("push", help="publish verified entries of the writable root to the fleet tier "
+                                         "(JITATTN_REMOTE_CACHE)")
+    push.add_argument("--manifest", action="append", type=Path, default=[],
+                      help="only the specs of this prewarm manifest (repeatable); each must be cached")
+    push.set_defaults(handler=cmd_cache_push)
+    pull = csub.add_parser("pull", help="fill the writable root from the fleet tier before a node serves")
+    pull.add_argument("--manifest", action="append", type=Path, default=[], required=True,
+                      help="the specs to pull (repeatable)")
+    pull.add_argument("--arch", help="target arch list (default: as a call would resolve it)")
+    pull.set_defaults(handler=cmd_cache_pull)
 
     for name in ("doctor", "show-config"):
         d = sub.add_parser(name, help="versions, toolchain, arch list, cache layers")
@@ -270,8 +280,9 @@ def cmd_prewarm(args) -> int:
         print(f"{o.spec.name:56s} {o.status:8s} {o.seconds:8.1f}")
         if o.detail:
             print(f"    {o.detail}")
-    counts = {s: sum(o.status == s for o in outcomes) for s in ("built", "cached", "failed")}
-    print(f"\nbuilt {counts['built']}, already cached {counts['cached']}, failed {counts['failed']} "
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("built", "cached", "pulled", "failed")}
+    pulled = f", pulled from the fleet {counts['pulled']}" if counts["pulled"] else ""
+    print(f"\nbuilt {counts['built']}, already cached {counts['cached']}{pulled}, failed {counts['failed']} "
           f"in {time.perf_counter() - start:.1f} s")
     return 1 if counts["failed"] else 0
 
@@ -385,6 +396,80 @@ def cmd_cache_unpack(args) -> int:
     return 0 if report.ok else 1
 
 
+def _fleet():
+    from jitattn.jit import remote
+
+    fleet = remote.tier()
+    if fleet is None:
+        raise ValueError("no fleet tier: set JITATTN_REMOTE_CACHE=redis://[:password@]host:port/db")
+    return fleet
+
+
+def cmd_cache_push(args) -> int:
+    from jitattn.jit.remote import verbs
+
+    fleet = _fleet()
+    specs = unique(s for path in args.manifest for s in read_manifest(path)) if args.manifest else None
+    root = env.cache_dir()
+    report = verbs.push(fleet, root, specs)
+    for m in report.moved:
+        print(f"{m.status if m.status not in ('failed', 'missing') else m.status.upper():9s} {m.item}"
+              f"{': ' + m.detail if m.detail else ''}")
+    counts = {s: sum(m.status == s for m in report.moved) for s in ("published", "present", "replaced", "failed", "missing")}
+    print(f"pushed {counts['published'] + counts['replaced']} entries from {root} to {fleet.url}; "
+          f"{counts['present']} already there, {counts['failed']} failed, {counts['missing']} missing")
+    if not report.moved:
+        print(f"jitattn: nothing to push in {root}", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+def cmd_cache_pull(args) -> int:
+    from jitattn.jit.remote import verbs
+
+    _apply_arch(args.arch)
+    fleet = _fleet()
+    specs = unique(s for path in args.manifest for s in read_manifest(path))
+    report = verbs.pull(fleet, specs)
+    for m in report.moved:
+        print(f"{m.status if m.status != 'missing' else 'MISSING':8s} {m.item}: {m.detail}")
+    counts = {s: sum(m.status == s for m in report.moved) for s in ("pulled", "present", "missing")}
+    print(f"pulled {counts['pulled']} of {len(specs)} specs from {fleet.url} into {env.cache_dir()}; "
+          f"{counts['present']} already local, {counts['missing']} missing")
+    return 0 if report.ok else 1
+
+
+def _print_remote_tier() -> None:
+    if env.remote_cache_url() is None:
+        print("remote cache not configured (JITATTN_REMOTE_CACHE)")
+        return
+    from jitattn.errors import RemoteCacheError
+    from jitattn.jit import remote
+    from jitattn.jit.remote import verbs
+
+    try:
+        fleet = remote.tier()
+    except RemoteCacheError as exc:
+        print(f"remote cache {env.redact_url(env.remote_cache_url())}: UNUSABLE: {exc}")
+        return
+    trust = (f"signs and checks with key id {fleet.key_id} ({fleet.secret_source})" if fleet.secret else
+             "no fleet secret: entries are published unsigned")
+    if fleet.insecure:
+        trust += "; JITATTN_REMOTE_CACHE_INSECURE=1: unsigned or foreign-signed entries are LOADED"
+    else:
+        trust += "; unsigned or foreign-signed entries are refused"
+    found = verbs.survey(fleet)
+    if not found["reachable"]:
+        print(f"remote cache {fleet.url}: UNREACHABLE ({found['error']})")
+    elif "error" in found:
+        print(f"remote cache {fleet.url}: reachable (redis {found['version']}), but {found['error']}")
+    else:
+        sig = found["signing"]
+        print(f"remote cache {fleet.url}: reachable (redis {found['version']}, {found['ms']:.1f} ms), "
+              f"{found['entries']}{'+' if found['more'] else ''} entries: {sig['this key']} signed with this key, "
+              f"{sig['other key']} with another key, {sig['unsigned']} unsigned, {sig['not jitattn']} foreign")
+    print(f"remote trust {trust}")
+
+
 def cmd_doctor(args) -> int:
     import platform
 
@@ -418,10 +503,11 @@ def cmd_doctor(args) -> int:
         kind = "cache root" if writable else "seed dir"
         print(f"{kind:12s} {layer} ({env.cache_dir_source() if writable else 'JITATTN_CACHE_SEED_DIRS'}): "
               f"{count} entries, {size / 2**20:.1f} MiB, {access}{'' if layer.exists() else ', absent'}")
+    _print_remote_tier()
     print("\nenvironment knobs:")
     for name, (default, meaning) in env.KNOBS.items():
-        value = os.environ.get(name)
-        print(f"  {name:26s} {value if value is not None else '(unset: ' + default + ')'}  # {meaning}")
+        value = env.shown(name)  # secrets and URL passwords masked
+        print(f"  {name:36s} {value if value is not None else '(unset: ' + default + ')'}  # {meaning}")
     return 0
 
 
@@ -451,7 +537,22 @@ def cmd_explain(args) -> int:
                 entry = cache.read_entry(sibling)
                 if sibling != path and entry:
                     print(f"  other key  {sibling.name}: differs in {keys.differing(parts, entry.components)}")
+        print(f"  remote     {_remote_status(key)}")
     return 0
+
+
+def _remote_status(key: str) -> str:
+    if env.remote_cache_url() is None:
+        return "not configured (JITATTN_REMOTE_CACHE)"
+    from jitattn.errors import RemoteCacheError
+    from jitattn.jit import remote
+    from jitattn.jit.remote import verbs
+
+    try:
+        fleet = remote.tier()
+    except RemoteCacheError as exc:
+        return f"{env.redact_url(env.remote_cache_url())} UNUSABLE: {exc}"
+    return f"{fleet.url} {remote.entry_name(key)} ({verbs.status_of(fleet, key)})"
 
 
 def _layers() -> list[tuple[Path, bool]]:

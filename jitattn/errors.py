@@ -32,3 +32,8 @@ class CacheLockTimeout(JitattnError):
 
 class CacheNotWritable(JitattnError):
     """A build is needed but the cache root cannot be written."""
+
+
+class RemoteCacheError(JitattnError):
+    """JITATTN_REMOTE_CACHE is set but cannot be used as configured (no redis client, a bad URL,
+    no fleet secret). Faults of the server itself are never raised: they degrade to the local path."""

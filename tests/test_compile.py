@@ -429,3 +429,22 @@ def test_event_floor_probe_builds(tmp_path):
                              "-o", str(binary)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert binary.stat().st_size > 0
+
+
+def test_each_varlen_backward_rung_compiles_and_registers_its_op(tmp_path, monkeypatch):
+    """The backward family's rungs: mma.sync at both warp layouts (warps_q 1: all of dK / dV per
+    warp; 2: split across a pair, head_dim > 128) and the Hopper wgmma one: real nvcc builds
+    through the pipeline (sm_90; sm_90a for wgmma), each loaded with its run op."""
+    import torch
+
+    from jitattn.varlen.spec import VarlenBackwardSpec
+
+    use_cache(monkeypatch, tmp_path / "cache")
+    monkeypatch.setattr(loader, "_modules", {})
+    for spec in (VarlenBackwardSpec(head_dim=128, dtype="bfloat16"), VarlenBackwardSpec(head_dim=208, dtype="float16"),
+                 VarlenBackwardSpec(head_dim=64, dtype="float16", wgmma=True)):
+        module, was_compiled = loader.build_spec(spec)
+        assert was_compiled and cache.why_invalid(module.entry.path) is None
+        assert module.entry.path.parent.name == ("sm90a" if spec.wgmma else "sm90")
+        ops = getattr(torch.ops, loader.op_namespace(spec, module.entry.key))
+        assert "bool deterministic" in str(ops.run.default._schema)

@@ -1,8 +1,10 @@
-"""varlen_attn's backward pass on the CPU (runs in CI): the math of jitattn/varlen/backward.py
-against autograd through the float64 reference, the autograd wiring of jitattn::varlen_attn with a
-stand-in for the CUDA forward, and the calls that must refuse grad (paged KV, varlen_attn_out).
+"""varlen_attn's backward pass on the CPU (runs in CI): the oracle's math
+(jitattn/reference_backward.py) against autograd through the float64 reference, the autograd
+wiring of jitattn::varlen_attn and jitattn::varlen_attn_backward with stand-ins for the CUDA
+forward and backward, and the calls that must refuse grad (paged KV, varlen_attn_out).
 
-The GPU counterpart, with the real kernels, is tests/test_varlen_backward_gpu.py.
+The GPU counterpart, with the real kernels, is tests/test_varlen_backward_gpu.py; how the
+backward plans its launch is tests/test_varlen_backward_plan.py.
 """
 import math
 
@@ -13,9 +15,10 @@ import jitattn
 import jitattn.varlen.ops  # noqa: F401  (registers torch.ops.jitattn.varlen_attn*)
 from jitattn import checks as _checks
 from jitattn.varlen import api as varlen_api
+from jitattn.varlen import backward_launch
 from jitattn.varlen import ops as varlen_ops
 from jitattn.reference import varlen_attn_reference
-from jitattn.varlen.backward import CHUNK_ELEMENTS, varlen_attn_backward
+from jitattn.reference_backward import CHUNK_ELEMENTS, varlen_attn_backward
 
 F16, BF16, F32, F64, I32 = torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32
 
@@ -118,6 +121,20 @@ def test_lse_gradient_is_exact(name):
     check_grads(got, want, 1e-5, f"{name} with grad_lse", lse)
 
 
+@pytest.mark.parametrize("name", ["general", "gqa4-causal", "empty", "seqused_k"])
+def test_float64_math_matches_float64_autograd_to_rounding(name):
+    """compute_dtype=float64 on float64 inputs (the GPU tests' oracle for rows too long for
+    autograd): the same gradients as autograd through the reference, to float64 rounding."""
+    len_q, len_k, h_q, h_kv, window, used = CASES[name]
+    q, k, v, cu_q, cu_k, seqused = make(len_q, len_k, h_q, h_kv, 16, used=used, seed=21, dtype=F64)
+    out, lse, grad_out, grad_lse, want = reference_grads(q, k, v, cu_q, cu_k, seqused, window, with_lse=True)
+    got = varlen_attn_backward(grad_out, grad_lse, q, k, v, out, None, cu_q, cu_k, seqused, window_size=window,
+                               compute_dtype=F64)
+    for g in got:
+        assert g.dtype == F64
+    check_grads(got, want, 1e-12, f"{name} float64", lse)
+
+
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (7, 0), (3, 9)])
 @pytest.mark.parametrize("max_rows,chunk_elements", [(1, CHUNK_ELEMENTS), (3, CHUNK_ELEMENTS), (1024, 1), (5, 200)])
 def test_chunking_does_not_change_the_result(window, max_rows, chunk_elements):
@@ -146,11 +163,14 @@ def test_gradients_come_back_in_the_input_dtypes_and_layouts(dtype):
     check_grads(got, want, 1e-2 if dtype == F16 else 3e-2, str(dtype), lse)
 
 
-def test_backward_op_opcheck():
+def test_backward_op_opcheck(standin):
+    """opcheck of jitattn::varlen_attn_backward (schema, fake kernel, AOT dispatch), its
+    implementation stood in for by the oracle on the CPU; with and without max_q / max_k."""
     q, k, v, cu_q, cu_k, seqused = make([5, 9], None, 4, 2, 16, used=[3, 9], seed=9)
     out, lse, grad_out, grad_lse, _ = reference_grads(q, k, v, cu_q, cu_k, seqused, (4, 1), with_lse=True)
     args = (grad_out.float(), grad_lse.float(), q, k, v, out.float(), lse.float(), cu_q, cu_k, seqused, None, [4, 1])
     torch.library.opcheck(torch.ops.jitattn.varlen_attn_backward.default, args)
+    torch.library.opcheck(torch.ops.jitattn.varlen_attn_backward.default, args + (9, 9))
 
 
 # ---------------------------------------------------------------- autograd wiring, with a stand-in forward
@@ -170,13 +190,24 @@ def standin_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scal
     return o, lse.new_empty((0, query.shape[0]), dtype=F32)
 
 
+def standin_backward(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k=None, *,
+                     scale=None, window_size=(-1, -1), max_q=None, max_k=None, deterministic=None):
+    """jitattn.varlen.backward_launch.backward's contract, computed by the oracle (any device)."""
+    standin_backward.calls.append({"max_q": max_q, "max_k": max_k})
+    return varlen_attn_backward(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k,
+                                scale=scale, window_size=window_size)
+
+
 @pytest.fixture
 def standin(monkeypatch):
-    """jitattn.varlen.forward.forward replaced by the reference (where the API and the ops call it); the CUDA-device check accepts CPU
-    tensors (the fake kernels call it): the ops and their autograd formula run on the CPU."""
+    """jitattn.varlen.forward.forward (where the API and the ops call it) and the backward
+    launch replaced by the references; the CUDA-device check accepts CPU tensors (the fake
+    kernels call it): the ops and their autograd formula run on the CPU."""
     standin_forward.calls = []
+    standin_backward.calls = []
     monkeypatch.setattr(varlen_api, "forward", standin_forward)
     monkeypatch.setattr(varlen_ops, "forward", standin_forward)
+    monkeypatch.setattr(backward_launch, "backward", standin_backward)
     monkeypatch.setattr(_checks, "cuda_device", lambda named: next(iter(named.values())).device)
     return standin_forward
 
@@ -204,6 +235,8 @@ def test_varlen_attn_is_differentiable(standin, want_lse):
     assert out.requires_grad and out.dtype == F16
     loss.backward()
     check_grads((lq.grad, lk.grad, lv.grad), want, 1e-2, f"varlen_attn autograd lse={want_lse}", ref_lse)
+    # The backward sizes its grid from the forward's max_q / max_k: no host sync.
+    assert standin_backward.calls == [{"max_q": 11, "max_k": 9}]
 
 
 def test_no_grad_calls_skip_the_op_and_the_lse(standin):

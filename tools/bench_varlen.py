@@ -11,9 +11,18 @@ the same run.
 (c) skewed batch: causal bf16 D128 16 heads, lengths 128..16384 doubling (8 sequences);
     TFLOP/s vs torch's varlen_attn.
 (d) host time per call of a tiny call (wall time over 10,000 calls), beside torch's.
+(e) backward: bf16, 8 x 4096 tokens, D64 x 32 heads, D128 x 32, D256 x 16, causal and full;
+    backward = (forward + backward) - forward, each timed as below; TFLOP/s with backward FLOPs
+    = 2.5x forward FLOPs (causal half). Peers: torch's varlen_attn and SDPA (on (8, H, 4096, D)).
+    Also jitattn in deterministic mode (torch.use_deterministic_algorithms(True), with torch's
+    NaN fill of new tensors off so only the kernels' cost shows) and, with --bwd-tiles, other
+    tile shapes of the backward kernel (for tuning; they must be in the cache). Then the skewed
+    batch of (c) (causal D128 16 heads, lengths 128..16384) forward + backward vs torch's.
 CUDA-event timing of device time (host time hidden), warm-up, cold L2 (each timed call reads a
 different input set, the sets together >= 256 MB), median of the timed calls.
-Run: python tools/bench_varlen.py [--quick] [--parts prefill decode skewed host]
+Run: python tools/bench_varlen.py [--quick] [--parts prefill decode skewed host backward]
+     [--bwd-tiles 128,64,1 64,64,2 ...] [--bwd-variants other mma det peers skewed]
+     [--bwd-producer auto|on|off]
 """
 from __future__ import annotations
 
@@ -245,13 +254,222 @@ def bench_host(args):
         print(f"| {name} | {ours:.1f} | {fmt(theirs)} |", flush=True)
 
 
-PARTS = {"prefill": bench_prefill, "decode": bench_decode, "skewed": bench_skewed, "host": bench_host}
+# ---------------------------------------------------------------- (e) backward
+def _with_tile(tile):
+    """A context in which jitattn's backward runs the tile `tile` = (block_n, block_m, warps_q)
+    of the mma.sync rung, "mma" its default mma.sync tile, "other" the wgmma rung with the
+    producer warpgroup where the default runs it without, and the other way round, or for None
+    its default (on sm_90: the wgmma rung at head_dim 64/128)."""
+    import contextlib
+
+    from jitattn.varlen import backward_launch as launch
+    from jitattn.varlen.spec import VarlenBackwardSpec
+
+    @contextlib.contextmanager
+    def ctx():
+        if tile is None:
+            yield
+            return
+        saved_plan, saved_allowed, saved_kernels = launch.plan, launch.wgmma_allowed, dict(launch._kernels)
+        saved_dims = launch.PRODUCER_HEAD_DIMS
+        if tile == "other":
+            launch.PRODUCER_HEAD_DIMS = frozenset({64, 128}) - saved_dims
+        else:
+            launch.wgmma_allowed = lambda device: False
+        if tile not in ("mma", "other"):
+            launch.plan = lambda head_dim, dtype, wgmma=False: VarlenBackwardSpec(head_dim, "bfloat16", *tile)
+        launch._kernels.clear()
+        try:
+            yield
+        finally:
+            launch.plan, launch.wgmma_allowed, launch.PRODUCER_HEAD_DIMS = saved_plan, saved_allowed, saved_dims
+            launch._kernels.clear()
+            launch._kernels.update(saved_kernels)
+
+    return ctx()
+
+
+def _deterministic(on: bool):
+    import contextlib
+
+    @contextlib.contextmanager
+    def ctx():
+        if not on:
+            yield
+            return
+        import torch.utils.deterministic as det
+
+        saved, saved_fill = torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory
+        torch.use_deterministic_algorithms(True)
+        det.fill_uninitialized_memory = False
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(saved)
+            det.fill_uninitialized_memory = saved_fill
+
+    return ctx()
+
+
+def _train_calls(forward, sets):
+    """(forward only, forward + backward) calls per input set; each set is (leaves, grad_out, ...)."""
+    def fwd(s):
+        return forward(s)
+
+    def fwd_bwd(s):
+        for t in s[0]:
+            t.grad = None
+        forward(s).backward(s[1])
+
+    return [lambda s=s: fwd(s) for s in sets], [lambda s=s: fwd_bwd(s) for s in sets]
+
+
+def _backward_us(forward, sets, args, what):
+    """Median backward time: (forward + backward) - forward, or None."""
+    only, both = _train_calls(forward, sets)
+    t_fwd = timed(only, args, what + " forward")
+    t_both = timed(both, args, what + " forward+backward")
+    return None if t_fwd is None or t_both is None else t_both - t_fwd
+
+
+def bench_backward(args):
+    batch, seq = 8, 4096
+    fn, params = torch_varlen()
+    from jitattn.varlen import backward_launch as launch
+
+    if args.bwd_producer != "auto":
+        launch.PRODUCER_HEAD_DIMS = frozenset({64, 128} if args.bwd_producer == "on" else ())
+    wgmma = launch.wgmma_allowed(torch.device("cuda"))
+    variants = set(args.bwd_variants)
+    tiles = [None] + [v for v in ("other", "mma") if v in variants]
+    tiles += [tuple(int(x) for x in t.split(",")) for t in (args.bwd_tiles or [])]
+    print("\n### backward: bf16, 8 x 4096 tokens; backward = (forward + backward) - forward; "
+          f"backward FLOPs = 2.5x forward; default rung {'wgmma at D64/D128' if wgmma else 'mma.sync'} "
+          f"(producer warpgroup at {sorted(launch.PRODUCER_HEAD_DIMS) or 'no head_dim'})\n")
+    print("| D | heads | causal | jitattn us | jitattn TFLOP/s | deterministic TFLOP/s | torch varlen TFLOP/s "
+          "| SDPA TFLOP/s | vs torch varlen | vs SDPA | deterministic cost |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for head_dim, heads in ((64, 32), (128, 32), (256, 16)):
+        tokens = batch * seq
+        per_set = 5 * tokens * heads * head_dim * 2  # q, k, v, out, dO (and as many gradients)
+        cu_seq = cu([seq] * batch)
+        sets = []
+        for _ in range(sets_needed(per_set)):
+            q, k, v = (torch.randn(tokens, heads, head_dim, device="cuda", dtype=BF16).requires_grad_() for _ in range(3))
+            do = torch.randn(tokens, heads, head_dim, device="cuda", dtype=BF16)
+            sdpa = [t.detach().view(batch, seq, heads, head_dim).transpose(1, 2).contiguous().requires_grad_()
+                    for t in (q, k, v)]
+            sets.append(((q, k, v), do, sdpa, do.view(batch, seq, heads, head_dim).transpose(1, 2).contiguous()))
+        rungs = tiles if wgmma and head_dim in (64, 128) else [t for t in tiles if t not in ("mma", "other")]
+        for causal in (False, True):
+            window = (-1, 0) if causal else (-1, -1)
+            flops = 2.5 * batch * 4 * seq * seq * head_dim * heads * (0.5 if causal else 1.0)
+            ours = lambda s: jitattn.varlen_attn(*s[0], cu_seq, cu_seq, seq, seq, window_size=window)
+            results = {}
+            for tile in rungs:
+                with _with_tile(tile):
+                    results[tile] = _backward_us(ours, sets, args, f"jitattn tile={tile}")
+            t_det = t_torch = t_sdpa = None
+            if "det" in variants:
+                with _deterministic(True):
+                    t_det = _backward_us(ours, sets, args, "jitattn deterministic")
+            kw = torch_window_kwargs(params, causal)
+            if fn is not None and kw is not None and "peers" in variants:
+                t_torch = _backward_us(lambda s: fn(*s[0], cu_seq, cu_seq, seq, seq, **kw), sets, args,
+                                       "torch varlen_attn")
+            sdpa_sets = [(s[2], s[3]) for s in sets]
+            if "peers" in variants:
+                t_sdpa = _backward_us(lambda s: F.scaled_dot_product_attention(*s[0], is_causal=causal), sdpa_sets,
+                                      args, "SDPA")
+            t_ours = results[None]
+            _sanity_grads(ours, sets[0], lambda: F.scaled_dot_product_attention(*sdpa_sets[0][0], is_causal=causal),
+                          sdpa_sets[0], (batch, seq, heads, head_dim), f"backward d{head_dim} causal={causal} vs SDPA")
+            tf = lambda t: None if t is None or t <= 0 else flops / t / 1e6
+            cost = "-" if t_ours is None or t_det is None else f"{t_det / t_ours:.2f}x"
+            print(f"| {head_dim} | {heads} | {causal} | {fmt(t_ours)} | {fmt(tf(t_ours))} | {fmt(tf(t_det))} "
+                  f"| {fmt(tf(t_torch))} | {fmt(tf(t_sdpa))} | {ratio(t_ours, t_torch)} | {ratio(t_ours, t_sdpa)} "
+                  f"| {cost} |", flush=True)
+            for tile in rungs[1:]:
+                t = results[tile]
+                other = "wgmma with producer" if head_dim not in launch.PRODUCER_HEAD_DIMS else "wgmma without producer"
+                name = {"mma": "mma.sync rung", "other": other}.get(tile) or f"mma.sync n{tile[0]}m{tile[1]}q{tile[2]}"
+                print(f"|  | {name} | {causal} | {fmt(t)} | {fmt(tf(t))} | | | "
+                      f"| {ratio(t, t_torch)} | {ratio(t, t_sdpa)} | |", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    if "skewed" in variants:
+        bench_backward_skewed(args)
+
+
+def _sanity_grads(ours, s, sdpa_forward, sdpa_set, shape, what):
+    """Warn when jitattn's and SDPA's gradients of the first input set disagree."""
+    try:
+        for t in list(s[0]) + list(sdpa_set[0]):
+            t.grad = None
+        ours(s).backward(s[1])
+        sdpa_forward().backward(sdpa_set[1])
+        batch, seq, heads, head_dim = shape
+        for name, a, b in zip("qkv", s[0], sdpa_set[0]):
+            peer = b.grad.transpose(1, 2).reshape(batch * seq, heads, head_dim)
+            diff = (a.grad.float() - peer.float()).abs().max().item()
+            scale = peer.float().abs().max().item()
+            if not diff <= 0.05 * scale:
+                print(f"  WARNING: {what}: d{name} differs by {diff:.3g} (max abs; largest {scale:.3g})", flush=True)
+    except Exception as exc:  # report, keep going
+        print(f"  ({what} sanity check failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]})", flush=True)
+
+
+def bench_backward_skewed(args):
+    lengths = [128 << i for i in range(8)]  # 128 .. 16384
+    heads, head_dim = 16, 128
+    tokens = sum(lengths)
+    flops = 2.5 * sum(2 * n * n * head_dim * heads for n in lengths)  # causal
+    fn, params = torch_varlen()
+    kw = torch_window_kwargs(params, True)
+    order = [3, 7, 0, 5, 1, 6, 2, 4]
+    lengths = [lengths[i] for i in order]
+    cu_seq, longest = cu(lengths), max(lengths)
+    sets = []
+    for _ in range(sets_needed(5 * tokens * heads * head_dim * 2)):
+        leaves = tuple(torch.randn(tokens, heads, head_dim, device="cuda", dtype=BF16).requires_grad_() for _ in range(3))
+        sets.append((leaves, torch.randn(tokens, heads, head_dim, device="cuda", dtype=BF16)))
+    t_ours = _backward_us(lambda s: jitattn.varlen_attn(*s[0], cu_seq, cu_seq, longest, longest, window_size=(-1, 0)),
+                          sets, args, "jitattn")
+    with _deterministic(True):
+        t_det = _backward_us(lambda s: jitattn.varlen_attn(*s[0], cu_seq, cu_seq, longest, longest,
+                                                           window_size=(-1, 0)), sets, args, "jitattn deterministic")
+    t_torch = None
+    if fn is not None and kw is not None:
+        t_torch = _backward_us(lambda s: fn(*s[0], cu_seq, cu_seq, longest, longest, **kw), sets, args,
+                               "torch varlen_attn")
+    print(f"\n### backward, skewed batch: causal bf16 D{head_dim}, {heads} heads, lengths {sorted(lengths)}\n")
+    print("| implementation | backward us | TFLOP/s | jitattn speedup |")
+    print("|---|---:|---:|---:|")
+    for name, t in (("jitattn", t_ours), ("jitattn deterministic", t_det), ("torch varlen_attn", t_torch)):
+        print(f"| {name} | {fmt(t)} | {fmt(None if t is None or t <= 0 else flops / t / 1e6)} | {ratio(t_ours, t)} |",
+              flush=True)
+    del sets
+    torch.cuda.empty_cache()
+
+
+PARTS = {"prefill": bench_prefill, "decode": bench_decode, "skewed": bench_skewed, "host": bench_host,
+         "backward": bench_backward}
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer timed calls (10 instead of 30)")
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
+    parser.add_argument("--bwd-tiles", nargs="*", metavar="N,M,Q",
+                        help="backward: also time these (block_n, block_m, warps_q) tiles (prebuilt)")
+    parser.add_argument("--bwd-variants", nargs="*", default=["other", "mma", "det", "peers", "skewed"],
+                        choices=["other", "mma", "det", "peers", "skewed"],
+                        help="backward rows beside the default: the other wgmma variant (with / without the "
+                             "producer warpgroup), the mma.sync rung, deterministic mode, torch's varlen_attn and "
+                             "SDPA, the skewed batch")
+    parser.add_argument("--bwd-producer", choices=["auto", "on", "off"], default="auto",
+                        help="backward: the wgmma rung with the producer warpgroup (on), without (off), or "
+                             "jitattn's default (auto)")
     args = parser.parse_args()
     args.warmup, args.reps = (3, 10) if args.quick else (5, 30)
     fn, params = torch_varlen()

@@ -20,7 +20,21 @@ KNOBS: dict[str, tuple[str, str]] = {
     "JITATTN_DEBUG": ("0", "1 = extra value checks on inputs and a sync + error check after launches"),
     "JITATTN_RECORD": ("", "append every specialization this process asks for to this manifest"),
     "JITATTN_WGMMA": ("1", "0 = varlen prefill on sm_90 uses the mma.sync kernels instead of wgmma"),
+    # The fleet tier (jitattn/jit/remote): read only on a local miss, never on the warm path.
+    "JITATTN_REMOTE_CACHE": ("", "redis://[:password@]host:port/db or rediss://...: fleet cache searched "
+                                 "after the local layers, before a build"),
+    "JITATTN_REMOTE_CACHE_KEY": ("", "fleet secret: remote entries are signed and checked with it (HMAC-SHA256)"),
+    "JITATTN_REMOTE_CACHE_KEY_FILE": ("", "file holding the fleet secret (instead of JITATTN_REMOTE_CACHE_KEY)"),
+    "JITATTN_REMOTE_CACHE_INSECURE": ("0", "1 = load remote entries that are unsigned or signed with another key "
+                                           "(sha256 and key still checked)"),
+    "JITATTN_REMOTE_CACHE_TTL": ("2592000", "seconds a published entry lives in Redis (0 = no expiry)"),
+    "JITATTN_REMOTE_CACHE_MAX_MB": ("64", "largest entry value published or pulled, MiB"),
+    "JITATTN_REMOTE_CACHE_CONNECT_TIMEOUT": ("1", "seconds to connect to Redis"),
+    "JITATTN_REMOTE_CACHE_TIMEOUT": ("5", "seconds one Redis command may take"),
+    "JITATTN_REMOTE_CACHE_LOCK_TTL": ("30", "seconds a fleet build lock outlives a builder that stopped renewing it"),
 }
+# Knobs whose values `jitattn doctor` must not print (a secret, or a URL that may carry a password).
+SECRET_KNOBS = ("JITATTN_REMOTE_CACHE_KEY",)
 
 
 # Knobs read on every API call (debug, wgmma) look in CPython's dict behind os.environ, which
@@ -173,6 +187,66 @@ def wgmma_enabled() -> bool:
 def record_path() -> Path | None:
     raw = os.environ.get("JITATTN_RECORD", "").strip()
     return Path(raw).expanduser() if raw else None
+
+
+def remote_cache_url() -> str | None:
+    raw = os.environ.get("JITATTN_REMOTE_CACHE", "").strip()
+    return raw or None
+
+
+def remote_cache_secret() -> str | None:
+    return os.environ.get("JITATTN_REMOTE_CACHE_KEY") or None
+
+
+def remote_cache_key_file() -> Path | None:
+    raw = os.environ.get("JITATTN_REMOTE_CACHE_KEY_FILE", "").strip()
+    return Path(raw).expanduser() if raw else None
+
+
+def remote_cache_insecure() -> bool:
+    return _flag("JITATTN_REMOTE_CACHE_INSECURE")
+
+
+def remote_cache_ttl() -> int:
+    """Seconds; 0 means published entries never expire."""
+    raw = os.environ.get("JITATTN_REMOTE_CACHE_TTL", "").strip()
+    if raw == "0":
+        return 0
+    return max(1, int(_positive_float("JITATTN_REMOTE_CACHE_TTL", 2592000)))
+
+
+def remote_cache_max_bytes() -> int:
+    return int(_positive_float("JITATTN_REMOTE_CACHE_MAX_MB", 64) * 2**20)
+
+
+def remote_cache_connect_timeout() -> float:
+    return _positive_float("JITATTN_REMOTE_CACHE_CONNECT_TIMEOUT", 1.0)
+
+
+def remote_cache_timeout() -> float:
+    return _positive_float("JITATTN_REMOTE_CACHE_TIMEOUT", 5.0)
+
+
+def remote_cache_lock_ttl() -> float:
+    return _positive_float("JITATTN_REMOTE_CACHE_LOCK_TTL", 30.0)
+
+
+def shown(name: str) -> str | None:
+    """A knob's value as `jitattn doctor` prints it: secrets and URL passwords masked."""
+    value = os.environ.get(name)
+    if value is None or name not in SECRET_KNOBS and name != "JITATTN_REMOTE_CACHE":
+        return value
+    if name in SECRET_KNOBS:
+        return f"(set, {len(value.encode())} bytes, not shown)"
+    return redact_url(value)
+
+
+def redact_url(url: str) -> str:
+    """redis://:secret@host:6379/0 -> redis://:***@host:6379/0 (for logs and messages)."""
+    import re
+
+    return re.sub(r"^([a-z][a-z0-9+.-]*://)([^@/]*)@", lambda m: m.group(1) + (
+        m.group(2).split(":", 1)[0] + ":***" if ":" in m.group(2) else "***") + "@", url.strip())
 
 
 def cuda_home_setting() -> str | None:

@@ -26,6 +26,7 @@ _modules: dict[KernelSpec, "LoadedModule"] = {}
 _loaded_namespaces: dict[str, str] = {}  # op namespace -> key, for this process
 _process_lock = threading.RLock()
 COMPILE_COUNT = 0  # compiles done by this process (tests and tools read it)
+PULL_COUNT = 0  # entries this process pulled from the fleet tier
 
 
 class LoadedModule:
@@ -126,10 +127,43 @@ def _find_or_build(spec: KernelSpec, force: bool = False) -> LoadedModule:
     found = _lookup(spec, force)
     if found.entry is not None:
         return _load(spec, found.entry)
+    fleet = _fleet()  # after the local layers, before a build; None when no remote is set
+    note = "none (JITATTN_REMOTE_CACHE is not set)" if fleet is None else "not asked (forced rebuild)"
+    if fleet is not None and not force:
+        entry, note = fleet.pull(spec, found.archs, found.arch_tag, found.build)
+        if entry is not None:
+            return _pulled(spec, entry)
     if found.build is None:
-        raise found.failure
+        raise type(found.failure)(f"{found.failure}\n  remote: {note}")
     target, parts, key = found.build
-    return _build(spec, target, parts, key, env.cache_dir(), found.arch_tag, reason="forced" if force else "miss")
+    return _build(spec, target, parts, key, env.cache_dir(), found.arch_tag, reason="forced" if force else "miss",
+                  fleet=fleet)
+
+
+def _fleet():
+    if env.remote_cache_url() is None:  # keep the remote package (and redis) off every local path
+        return None
+    from jitattn.jit import remote
+
+    return remote.tier()
+
+
+def _pulled(spec: KernelSpec, entry: cache.CacheEntry) -> LoadedModule:
+    global PULL_COUNT
+    PULL_COUNT += 1
+    return _load(spec, entry)
+
+
+def _fleet_turn(fleet, spec: KernelSpec, key: str, root: Path, arch_tag: str, forced: bool):
+    """The fleet's build lock for `key` (taken inside the node's file lock), or a stand-in."""
+    if fleet is None:
+        from contextlib import nullcontext
+
+        return nullcontext(None)
+    from jitattn.jit import remote
+
+    rel = remote.entry_rel(arch_tag, spec.name, key)
+    return remote.NoTurn(fleet, rel) if forced else fleet.build_turn(spec.name, key, rel, root)
 
 
 def _find_compatible(spec, archs, arch_tag, roots):
@@ -174,7 +208,8 @@ def _missing_message(spec, archs, arch_tag, nearest) -> str:
     return "\n".join(lines)
 
 
-def _build(spec, target, parts, key, root, arch_tag, reason) -> LoadedModule:
+def _build(spec, target, parts, key, root, arch_tag, reason, fleet=None) -> LoadedModule:
+    import contextlib
     import socket
 
     from jitattn.jit.build import compile_library
@@ -191,13 +226,17 @@ def _build(spec, target, parts, key, root, arch_tag, reason) -> LoadedModule:
             f"{spec.name} (key {key[:16]}) is already loaded in this process and cannot be rebuilt "
             "here; rebuild it from a fresh process, e.g. `jitattn prewarm --force`"
         )
-    with key_lock(root / cache.LOCKS, key, spec.name, env.lock_timeout()):
+    with key_lock(root / cache.LOCKS, key, spec.name, env.lock_timeout()), contextlib.ExitStack() as held:
         if reason != "forced":
             entry = cache.read_entry(final, key, stamps=root / cache.STAMPS)  # another process may have built it
             if entry is not None:
                 return _load(spec, entry)
-            if final.exists():
-                reason = f"corrupt entry ({cache.why_invalid(final)})"
+        # One build per fleet: wait for this key's fleet lock, or for another node's result.
+        turn = held.enter_context(_fleet_turn(fleet, spec, key, root, arch_tag, reason == "forced"))
+        if turn is not None and turn.pulled is not None:
+            return _pulled(spec, turn.pulled)
+        if reason != "forced" and final.exists():
+            reason = f"corrupt entry ({cache.why_invalid(final)})"
         staging = cache.new_staging_dir(root)
         try:
             sources = render(spec, namespace)
@@ -224,6 +263,8 @@ def _build(spec, target, parts, key, root, arch_tag, reason) -> LoadedModule:
                 shutil.rmtree(staging, ignore_errors=True)
         COMPILE_COUNT += 1
         log.info("compiled %s in %.1f s -> %s", spec.name, seconds, final)
+        if turn is not None and entry is not None:
+            turn.share(entry)  # before the fleet lock is released, so its waiters find it
     if entry is None:
         raise cache_error(final)
     # load_inline already loaded the library from staging; register it under its entry.

@@ -16,7 +16,7 @@ MEMORY_PER_BUILD = 1.5 * 2**30
 @dataclass
 class Outcome:
     spec: KernelSpec
-    status: str  # "built" | "cached" | "failed"
+    status: str  # "built" | "cached" | "pulled" (from the fleet tier) | "failed"
     seconds: float
     detail: str = ""
 
@@ -37,12 +37,13 @@ def default_jobs() -> int:
 def _build_one(spec: KernelSpec, force: bool) -> Outcome:
     from jitattn.jit import loader
 
-    start = time.perf_counter()
+    start, pulls = time.perf_counter(), loader.PULL_COUNT
     try:
-        _, compiled = loader.build_spec(spec, force=force)
+        _, compiled = loader.build_spec(spec, force=force)  # a build is also published to the fleet tier
     except Exception as exc:  # reported per spec; the run goes on with the others
         return Outcome(spec, "failed", time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
-    return Outcome(spec, "built" if compiled else "cached", time.perf_counter() - start)
+    status = "built" if compiled else "pulled" if loader.PULL_COUNT > pulls else "cached"
+    return Outcome(spec, status, time.perf_counter() - start)
 
 
 def prewarm(specs: list[KernelSpec], jobs: int, force: bool = False, on_done=None) -> list[Outcome]:

@@ -1,4 +1,5 @@
-"""VarlenSpec: what a varlen_attn kernel is compiled for (head_dim, dtype, paging, tile shape, rung)."""
+"""VarlenSpec and VarlenBackwardSpec: what a varlen_attn kernel and its backward are compiled for
+(head_dim, dtype, paging, tile shape, rung)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -116,3 +117,124 @@ class VarlenSpec(KernelSpec):
         tile = f"m{self.warps_m}x{self.m_tiles}n{self.block_n}s{self.stages}"
         return (f"varlen_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{'_paged' if self.paged else ''}"
                 f"_{'decode' if self.decode else 'prefill'}{'_wgmma' if self.wgmma else ''}_{tile}")
+
+
+@register
+@dataclass(frozen=True)
+class VarlenBackwardSpec(KernelSpec):
+    """The backward of varlen_attn (packed KV): preprocess, main and postprocess kernels.
+
+    Windows, GQA ratio, lengths, scale and deterministic mode are runtime arguments; what
+    changes the code is the head_dim, the dtype and the tile shape: `block_n` keys per CTA,
+    `block_m` packed query rows per step of its walk, and `warps_q` (1 or 2) warps per 16-key
+    group (2 splits the head_dim columns of dK / dV between them, which head_dim > 128 needs
+    to keep its accumulators in registers). The tile fields default to 0, the tuned shape for
+    the head_dim (`default_tile`), resolved on construction, so a spec always names its exact
+    tile. `wgmma` is the Hopper rung (sm_90a: warpgroup MMAs, FlashAttention-3's shape): head_dim
+    64 or 128, 128 keys x 64 queries on two warpgroups; it builds for 9.0a only. `producer`
+    (wgmma only) adds a third warpgroup that copies the query tiles and adds dQ to the
+    accumulator, handing both over through mbarriers: correct, but measured 2.2-2.8x slower on
+    the H200, so no call takes it (jitattn.varlen.backward_launch.PRODUCER_HEAD_DIMS)."""
+
+    family: ClassVar[str] = "varlen_backward"
+    sources: ClassVar[dict[str, str]] = {
+        "binding.cpp": "varlen/backward_binding.cpp.j2",
+        "kernels.cu": "varlen/backward.cu.j2",
+    }
+
+    head_dim: int
+    dtype: str = "float16"
+    block_n: int = 0
+    block_m: int = 0
+    warps_q: int = 0
+    wgmma: bool = False
+    producer: bool = False
+
+    @classmethod
+    def prewarm_variants(cls, fields: dict, archs: tuple[str, ...]) -> list[dict]:
+        """What backward calls with these fields may run on `archs` (as VarlenSpec's forward):
+        the wgmma rung where sm_90 is a target and the head_dim fits, the mma.sync one where
+        another arch is (or it does not fit, or no arch is known); `wgmma` named: as named."""
+        if "wgmma" in fields:
+            return [dict(fields)]
+        hopper = any(a.rstrip("a") == "9.0" for a in archs)
+        other = not archs or any(a.rstrip("a") != "9.0" for a in archs)
+        fits = cls.wgmma_fits(fields.get("head_dim", 0))
+        rungs = ([True] if fits and hopper else []) + ([False] if other or not fits else [])
+        return [{**fields, "wgmma": w} for w in rungs]
+
+    def __post_init__(self):
+        if self.head_dim % 16 or not 32 <= self.head_dim <= 256:
+            raise ValueError(f"varlen_backward head_dim must be a multiple of 16 in [32, 256], got {self.head_dim}")
+        if self.dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"varlen_backward dtype must be float16 or bfloat16, got {self.dtype!r}")
+        if self.producer and not self.wgmma:
+            raise ValueError("varlen_backward producer=True is part of the wgmma rung: set wgmma=True")
+        if self.wgmma and not self.wgmma_fits(self.head_dim):
+            raise ValueError(f"varlen_backward wgmma kernels cover head_dim 64 and 128 (got {self.head_dim})")
+        tile = self.default_tile(self.head_dim, self.wgmma)
+        for name, value in zip(("block_n", "block_m", "warps_q"), tile):
+            if getattr(self, name) == 0:
+                object.__setattr__(self, name, value)
+        if self.wgmma and (self.block_n, self.block_m, self.warps_q) != (128, 64, 1):
+            raise ValueError(f"varlen_backward wgmma tile is block_n=128, block_m=64, warps_q=1 (got {self.block_n}, "
+                             f"{self.block_m}, {self.warps_q})")
+        if self.warps_q not in (1, 2):
+            raise ValueError(f"varlen_backward warps_q must be 1 or 2, got {self.warps_q}")
+        if self.warps_q == 1 and self.head_dim > 128:
+            raise ValueError(f"varlen_backward warps_q=1 holds all of dK and dV per warp: head_dim <= 128 "
+                             f"(got {self.head_dim}); use warps_q=2")
+        if self.block_m not in (64, 128) or self.block_n % 16 or not 32 <= self.block_n <= 2 * self.block_m:
+            raise ValueError(f"varlen_backward tile: block_m 64 or 128, block_n a multiple of 16 in "
+                             f"[32, 2 * block_m] (got block_n={self.block_n}, block_m={self.block_m})")
+        if (self.block_n // 16 * self.warps_q) % (self.block_m // 16):
+            raise ValueError(f"varlen_backward tile: the {self.block_n // 16 * self.warps_q} warps must split "
+                             f"into whole groups of block_m / 16 = {self.block_m // 16} (dQ)")
+
+    @staticmethod
+    def wgmma_fits(head_dim: int) -> bool:
+        """Shapes the wgmma rung covers (the caller also needs an sm_90 GPU)."""
+        return head_dim in (64, 128)
+
+    @staticmethod
+    def default_tile(head_dim: int, wgmma: bool = False) -> tuple[int, int, int]:
+        """(block_n, block_m, warps_q). mma.sync: 128 keys x 64 queries on 8 warps up to
+        head_dim 128 (each warp 16 keys with all of dK / dV in registers), 64 x 64 on 8 warps
+        (two per key group) above. On the H200 (bf16 8 x 4k, full / causal TFLOP/s): D64 165 /
+        153 against 141 / 138 for 64 x 64 on 4 warps and 148 / 140 for 128 x 64 with two warps
+        per key group; D128 190 / 180 against 117 / 114 (64 x 64, 4 warps) and 128 / 123
+        (64 x 64, 8 warps). wgmma: 128 keys (two warpgroups of 64) x 64 queries: D64 207 / 192,
+        D128 261 / 236."""
+        if wgmma:
+            return (128, 64, 1)
+        return (128, 64, 1) if head_dim <= 128 else (64, 64, 2)
+
+    def archs_for(self, archs: tuple[str, ...]) -> tuple[str, ...]:
+        """wgmma exists on sm_90 only, and only in the arch-specific target: a '9.0' request
+        builds sm_90a; other archs cannot run this spec. mma.sync builds plain archs."""
+        if not self.wgmma:
+            return super().archs_for(archs)
+        hopper = sorted({a.rstrip("a") + "a" for a in archs if a.rstrip("a") == "9.0"})
+        if not hopper:
+            raise ValueError(f"{self.name} uses wgmma, which only sm_90 (9.0a) has; target archs: {list(archs)}")
+        return tuple(hopper)
+
+    @property
+    def warps(self) -> int:
+        return self.block_n // 16 * self.warps_q
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of the main kernel (keep in sync with backward_mma.cuh and
+        backward_wgmma.cuh)."""
+        row_chunks = -(-self.head_dim // 64) * 8
+        kv = self.block_n * row_chunks
+        qt = self.block_m * row_chunks
+        ds = self.block_n * self.block_m // 8
+        p_tile = 2 if (self.warps_q == 2 and not self.wgmma) or self.producer else 1
+        dq = self.block_m * (self.head_dim + 4) * 4 if self.producer else 0
+        return (2 * kv + 4 * qt + p_tile * ds) * 16 + 4 * self.block_m * 4 + dq + (1024 if self.wgmma else 0)
+
+    @property
+    def name(self) -> str:
+        rung = "_wgmma_producer" if self.producer else "_wgmma" if self.wgmma else ""
+        return f"varlen_backward_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{rung}_n{self.block_n}m{self.block_m}q{self.warps_q}"

@@ -1,0 +1,381 @@
+"""The fleet tier: one Redis server whose entries every node's cache can pull.
+
+The loader asks it only after a local miss (`FleetTier.pull`), so a process whose entries are
+local never imports redis or connects. A build takes the fleet's lock for its key after the
+node's file lock (`FleetTier.build_turn`): nodes that ask for the same cold spec at once wait
+for one builder and pull its result, and the builder publishes first-writer-wins (`share`).
+
+Every value read is untrusted (`envelope`): verified, authenticated with the fleet secret
+(`jitattn.jit.signing`) and materialized into the local root through staging + one rename, so
+the warm path stays local. Every fault of the server (down, slow, restarted, flushed, full, a
+foreign value) is logged once per process and the call goes on locally: a build, or strict
+mode's error. Each command is bounded by the connect/command timeouts, each wait by
+JITATTN_LOCK_TIMEOUT; a server that cannot be reached is not asked again for RETRY_AFTER_S.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from jitattn.errors import RemoteCacheError
+from jitattn.jit import cache, env, keys, signing
+from jitattn.jit.remote import envelope
+from jitattn.jit.remote.store import RedisStore, RemoteFault
+
+log = logging.getLogger("jitattn")
+
+RETRY_AFTER_S = 10.0  # after a connection fault, the tier is skipped this long
+_PREFIX = f"jitattn:{keys.CACHE_SCHEMA}"
+_ALIAS_LIMIT = 16  # builds of one toolchain-independent spec tried by strict mode
+
+
+def entry_name(key: str) -> str:
+    return f"{_PREFIX}:entry:{key}"
+
+
+def lock_name(key: str) -> str:
+    return f"{_PREFIX}:lock:{key}"
+
+
+def alias_name(components: dict) -> str:
+    """The set of keys (one per toolchain) of one build: strict mode, which cannot probe a
+    compiler, finds an entry built by any toolchain through it, as it does locally."""
+    return f"{_PREFIX}:alias:{keys.key_of(_without_toolchain(components))}"
+
+
+def _without_toolchain(components: dict) -> dict:
+    return {k: v for k, v in components.items() if k not in keys.TOOLCHAIN_COMPONENTS}
+
+
+def entry_rel(arch_tag: str, name: str, key: str) -> str:
+    return f"{keys.CACHE_SCHEMA}/{arch_tag}/{name}-{key[:16]}"
+
+
+_tiers: dict[tuple, "FleetTier"] = {}
+_tiers_lock = threading.Lock()
+
+
+def tier() -> "FleetTier | None":
+    """The fleet tier JITATTN_REMOTE_CACHE names, or None. Raises RemoteCacheError when it is
+    set but unusable (no redis client, a bad URL, no secret and no explicit opt-out)."""
+    url = env.remote_cache_url()
+    if url is None:
+        return None
+    config = (url, env.remote_cache_secret(), env.remote_cache_key_file(), env.remote_cache_insecure(),
+              env.remote_cache_connect_timeout(), env.remote_cache_timeout())
+    with _tiers_lock:
+        found = _tiers.get(config)
+        if found is None:
+            found = _tiers[config] = FleetTier(url, insecure=config[3], connect_timeout=config[4], timeout=config[5])
+    return found
+
+
+class FleetTier:
+    def __init__(self, url: str, *, insecure: bool, connect_timeout: float, timeout: float):
+        self.url = env.redact_url(url)
+        secret = signing.fleet_secret()
+        self.secret, self.secret_source = secret if secret else (None, None)
+        self.insecure = insecure
+        if self.secret is None and not insecure:
+            raise RemoteCacheError(
+                f"JITATTN_REMOTE_CACHE={self.url} needs the fleet secret that signs its entries: set "
+                "JITATTN_REMOTE_CACHE_KEY or JITATTN_REMOTE_CACHE_KEY_FILE (or, on a network you "
+                "trust, JITATTN_REMOTE_CACHE_INSECURE=1 to share unsigned entries)")
+        self.store = RedisStore(url, connect_timeout, timeout)
+        self.timeouts = (connect_timeout, timeout)
+        self._down_until = 0.0
+        self._faulted = False  # the first fault of this process is a warning, later ones info
+        self._said: set[tuple] = set()
+        self._refused_heads: dict[str, bytes] = {}  # key -> head of a value we refused
+        self._state = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"FleetTier({self.url})"
+
+    @property
+    def key_id(self) -> str | None:
+        return signing.key_id(self.secret) if self.secret else None
+
+    # ------------------------------------------------------------------ faults and refusals
+
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _fault(self, fault: RemoteFault, doing: str) -> None:
+        with self._state:
+            first, self._faulted = not self._faulted, True
+            if fault.down:
+                self._down_until = time.monotonic() + RETRY_AFTER_S
+        skip = f"; not asked again for {RETRY_AFTER_S:g} s" if fault.down else ""
+        if first:
+            log.warning("remote cache %s: %s while %s; going on locally%s (connect timeout %g s, command "
+                        "timeout %g s; further remote faults of this process are logged at info level)",
+                        self.url, fault, doing, skip, *self.timeouts)
+        else:
+            log.info("remote cache %s: %s while %s; going on locally%s", self.url, fault, doing, skip)
+
+    def _once(self, level: int, what: tuple, message: str, *args) -> None:
+        with self._state:
+            if what in self._said:
+                return
+            self._said.add(what)
+        log.log(level, message, *args)
+
+    def _refuse(self, key: str, rel: str, reason: str, head: bytes) -> str:
+        with self._state:
+            self._refused_heads[key] = head
+        self._once(logging.WARNING, ("refused", key, reason),
+                   "remote cache %s: refused the value under %s (for %s): %s", self.url, entry_name(key), rel, reason)
+        return f"refused {entry_name(key)}: {reason}"
+
+    # ------------------------------------------------------------------ pull
+
+    def pull(self, spec, archs, arch_tag: str, build) -> tuple[cache.CacheEntry | None, str]:
+        """After a local miss: the entry the fleet holds for `spec`, materialized into the
+        writable root, and a note on what happened (for strict mode's error). `build` is the
+        loader's (target, components, key) when this process knows its toolchain: then only
+        that exact key; else (strict mode, no toolchain) any build whose components match but
+        for the toolchain, as strict mode accepts locally."""
+        root = env.cache_dir()
+        if build is not None:
+            _, _, key = build
+            return self.fetch(key, entry_rel(arch_tag, spec.name, key), root)
+        wanted = keys.components(spec, keys.BuildTarget(archs, "", ""))
+        if not self.available():
+            return None, f"skipped ({self.url} was unreachable moments ago)"
+        try:
+            candidates = self.store.members(alias_name(wanted))
+        except RemoteFault as fault:
+            self._fault(fault, f"looking up the builds of {spec.name}")
+            return None, f"unreachable ({fault})"
+        notes = []
+        for key in [k for k in candidates if _is_key(k)][:_ALIAS_LIMIT]:
+            def same_build(_, entry, wanted=wanted):
+                diff = [d for d in keys.differing(wanted, entry.components) if d not in keys.TOOLCHAIN_COMPONENTS]
+                return f"listed as a build of {spec.name} but differs in {diff}" if diff else None
+
+            entry, note = self.fetch(key, entry_rel(arch_tag, spec.name, key), root, same_build)
+            if entry is not None:
+                return entry, note
+            notes.append(note)
+        if not candidates:
+            return None, f"no build of {spec.name} for {arch_tag} in {self.url} ({alias_name(wanted)})"
+        return None, "; ".join(notes)
+
+    def fetch(self, key: str, rel: str, root: Path, check=None) -> tuple[cache.CacheEntry | None, str]:
+        """Pull the value of one key into `root`: (entry, note), entry None on a miss, a
+        refusal or a fault."""
+        if not self.available():
+            return None, f"skipped ({self.url} was unreachable moments ago)"
+        name = entry_name(key)
+        start = time.perf_counter()
+        try:
+            size = self.store.size(name)
+            if size is None:
+                return None, self._refuse(key, rel, f"foreign value (a Redis {self.store.kind(name)}, "
+                                                     "not a jitattn entry)", b"\0type")
+            if size == 0:
+                return None, f"no entry {name} in {self.url}"
+            if size > env.remote_cache_max_bytes():
+                head = self.store.head(name, envelope.HEAD_BYTES)
+                return None, self._refuse(key, rel, f"oversized value: {size} bytes > JITATTN_REMOTE_CACHE_MAX_MB "
+                                                    f"({env.remote_cache_max_bytes()} bytes)", head)
+            value = self.store.get(name)
+        except RemoteFault as fault:
+            self._fault(fault, f"pulling {rel}")
+            return None, f"unreachable ({fault})"
+        if value is None:
+            return None, f"no entry {name} in {self.url} (gone since it was seen: expired or flushed)"
+        head = value[:envelope.HEAD_BYTES]
+        trusted = []
+
+        def accept(staged: Path, entry) -> str | None:
+            why = check(staged, entry) if check else None
+            if why:
+                return why
+            why = signing.check_entry(self.secret, key, staged, header.get("signature"))
+            if why is None:
+                trusted.append("signed with this fleet's key")
+                return None
+            if self.insecure:
+                trusted.append(f"{why}: accepted because JITATTN_REMOTE_CACHE_INSECURE=1")
+                return None
+            return f"{why}; set JITATTN_REMOTE_CACHE_INSECURE=1 to load it anyway"
+
+        try:
+            header, archive = envelope.unwrap(value, key, rel)
+            entry = envelope.materialize(archive, key, rel, root, accept)
+        except envelope.Refused as refused:
+            return None, self._refuse(key, rel, str(refused), head)
+        except OSError as exc:
+            self._once(logging.WARNING, ("local", str(root)), "remote cache %s: cannot materialize %s into %s: %s",
+                       self.url, rel, root, exc)
+            return None, f"found in {self.url}, but the cache root {root} cannot be written ({exc})"
+        log.info("pulled %s from %s (%d KiB, %.0f ms; %s)", rel, self.url, len(value) // 1024,
+                 (time.perf_counter() - start) * 1e3, trusted[0])
+        if not trusted[0].startswith("signed with this"):
+            # With a secret, each unverified load is news; an unsigned fleet chose this once.
+            what = ("insecure", key) if self.secret else ("insecure",)
+            self._once(logging.WARNING, what, "remote cache %s: loaded %s: %s", self.url, rel, trusted[0])
+        return entry, f"pulled from {self.url}"
+
+    # ------------------------------------------------------------------ publish
+
+    def share(self, entry: cache.CacheEntry, rel: str) -> str:
+        """Publish a verified local entry, first writer wins: "published", "present" (some
+        value is there already), "replaced" (the value there had been refused), or why not."""
+        if not self.available():
+            return f"skipped ({self.url} was unreachable moments ago)"
+        signature = signing.sign_entry(self.secret, entry.key, entry.path) if self.secret else None
+        try:
+            value = envelope.pack(entry, rel, signature)
+        except (OSError, ValueError) as exc:
+            return f"not published: {exc}"
+        limit = env.remote_cache_max_bytes()
+        if len(value) > limit:
+            self._once(logging.WARNING, ("size", entry.key), "remote cache %s: %s not published: %d bytes > "
+                       "JITATTN_REMOTE_CACHE_MAX_MB (%d bytes)", self.url, rel, len(value), limit)
+            return f"not published: {len(value)} bytes > JITATTN_REMOTE_CACHE_MAX_MB ({limit} bytes)"
+        name, ttl = entry_name(entry.key), env.remote_cache_ttl()
+        try:
+            if self.store.put_new(name, value, ttl):
+                status = "published"
+            else:
+                refused = self._refused_heads.get(entry.key)
+                if refused and self.store.replace_if_head(name, refused, value, ttl):
+                    status = "replaced"
+                else:
+                    status = "present"
+            self.store.add_member(alias_name(entry.components), entry.key, ttl)
+        except RemoteFault as fault:
+            self._fault(fault, f"publishing {rel}")
+            return f"not published ({fault})"
+        log.info("remote cache %s: %s %s (%d KiB%s)", self.url, status, rel, len(value) // 1024,
+                 ", signed" if signature else ", unsigned")
+        return status
+
+    # ------------------------------------------------------------------ one build per fleet
+
+    def build_turn(self, spec_name: str, key: str, rel: str, root: Path) -> "BuildTurn":
+        return BuildTurn(self, spec_name, key, rel, root)
+
+    def _pull_if_new(self, key: str, rel: str, root: Path):
+        """An entry someone published, skipping a value this process already refused."""
+        head = self.store.head(entry_name(key), envelope.HEAD_BYTES)
+        if not head or self._refused_heads.get(key) == head:
+            return None
+        entry, _ = self.fetch(key, rel, root)
+        return entry
+
+
+def _is_key(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
+class BuildTurn:
+    """This process's turn to build one key, fleet-wide (taken under the node's file lock).
+
+    On entry: wait until this process holds the fleet lock of the key, or another node has
+    published the entry (then `pulled` is it, materialized locally), or the remote faults, or
+    JITATTN_LOCK_TIMEOUT passes (then the build goes on here without the lock: a duplicate
+    compile, never a failed call). While held, the lock is renewed every third of its TTL; on
+    exit it is released. A builder that dies stops renewing, and its lock expires after
+    JITATTN_REMOTE_CACHE_LOCK_TTL."""
+
+    def __init__(self, fleet: FleetTier, spec_name: str, key: str, rel: str, root: Path):
+        self.fleet, self.spec_name, self.key, self.rel, self.root = fleet, spec_name, key, rel, root
+        self.pulled: cache.CacheEntry | None = None
+        self.token = f"{socket.gethostname()} pid {os.getpid()} {uuid.uuid4().hex[:8]}"
+        self._held = False
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    def __enter__(self) -> "BuildTurn":
+        fleet, name = self.fleet, lock_name(self.key)
+        ttl_ms = int(env.remote_cache_lock_ttl() * 1000)
+        timeout = env.lock_timeout()
+        deadline = time.monotonic() + timeout
+        delay, announced = 0.05, False
+        while fleet.available():
+            try:
+                self.pulled = fleet._pull_if_new(self.key, self.rel, self.root)
+                if self.pulled is not None:
+                    return self
+                if fleet.store.lock(name, self.token, ttl_ms):
+                    self._held = True
+                    self._start_renewing(name, ttl_ms)
+                    # Published between the look and the lock (its builder then released)?
+                    self.pulled = fleet._pull_if_new(self.key, self.rel, self.root)
+                    return self
+                holder = fleet.store.holder(name)
+            except RemoteFault as fault:
+                fleet._fault(fault, f"waiting for the fleet build of {self.spec_name}")
+                return self
+            if not announced:
+                log.info("waiting up to %g s for %s, which %s is building for the fleet (%s)",
+                         timeout, self.spec_name, holder or "another node", name)
+                announced = True
+            if time.monotonic() + delay > deadline:
+                log.warning("remote cache %s: gave up after %g s waiting for the fleet build of %s (lock %s held "
+                            "by %s); building it here (JITATTN_LOCK_TIMEOUT)", fleet.url, timeout, self.spec_name,
+                            name, holder)
+                return self
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
+        return self
+
+    def _start_renewing(self, name: str, ttl_ms: int) -> None:
+        def renew():
+            while not self._stop.wait(ttl_ms / 3000):
+                try:
+                    if not self.fleet.store.renew(name, self.token, ttl_ms):
+                        log.warning("remote cache %s: lost the fleet build lock of %s (it expired); another node "
+                                    "may build it too (harmless: first writer wins)", self.fleet.url, self.spec_name)
+                        return
+                except RemoteFault as fault:
+                    self.fleet._fault(fault, f"renewing the fleet build lock of {self.spec_name}")
+                    return
+
+        self._renewer = threading.Thread(target=renew, name=f"jitattn-lock-{self.key[:8]}", daemon=True)
+        self._renewer.start()
+
+    def share(self, entry: cache.CacheEntry) -> str:
+        """Publish what this process built (before the lock is released, so waiters find it)."""
+        return self.fleet.share(entry, self.rel)
+
+    def __exit__(self, *exc_info) -> None:
+        if not self._held:
+            return
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join(timeout=5)
+        self._held = False
+        if not self.fleet.available():  # a server that just faulted: its lock expires by its TTL
+            return
+        try:
+            self.fleet.store.release(lock_name(self.key), self.token)
+        except RemoteFault as fault:
+            self.fleet._fault(fault, f"releasing the fleet build lock of {self.spec_name}")
+
+
+class NoTurn:
+    """The turn of a process without a fleet tier (or of a forced rebuild, which takes no lock)."""
+
+    pulled = None
+
+    def __init__(self, fleet: FleetTier | None = None, rel: str = ""):
+        self._fleet, self._rel = fleet, rel
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        return None
+
+    def share(self, entry: cache.CacheEntry) -> str:
+        return self._fleet.share(entry, self._rel) if self._fleet is not None else "no remote"

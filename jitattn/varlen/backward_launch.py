@@ -1,0 +1,127 @@
+"""The runtime backward of jitattn.varlen_attn: plan the launch and run the kernels
+(templates/varlen/backward.cu.j2). No host sync: the grid comes from max_k and the shapes, the
+lengths are read on the device, the workspace and outputs come from torch's allocator on the
+current stream, so a forward + backward captures into one CUDA graph.
+
+Workspace (allocated by the binding): the fp32 dQ accumulator plus lse and delta per row,
+(T_q * H_q) * (D + 2) * 4 bytes, and in deterministic mode H_kv * (T_q * H_q / H_kv / 64 + N + 1)
+ints; outputs dq, dk, dv in the inputs' dtype (dk / dv zero-filled first: keys outside every
+sequence or past seqused_k get zero gradient).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from jitattn import checks as check
+from jitattn.jit import env
+from jitattn.jit.loader import get_module
+from jitattn.varlen.spec import VarlenBackwardSpec
+
+LOG2E = 1.4426950408889634
+WINDOW_CLAMP = 1 << 30  # a window wider than any sequence: the kernels' 32-bit mask arithmetic stays in range
+
+# Head dims whose wgmma backward has the producer warpgroup (VarlenBackwardSpec.producer): none.
+# Measured on the H200 (bf16 8 x 4k): 91-100 TFLOP/s with it against 192-261 without, its two
+# dQ-adding warps being the critical path (notes/backward-h200.md); correct, kept to build on.
+PRODUCER_HEAD_DIMS: frozenset[int] = frozenset()
+
+_kernels: dict[tuple, tuple[object, VarlenBackwardSpec]] = {}  # (head_dim, dtype, wgmma) -> (run op, spec)
+_hopper: dict[int | None, bool] = {}  # device index -> sm_90
+
+
+def wgmma_allowed(device: torch.device) -> bool:
+    """The Hopper rung runs on sm_90 unless JITATTN_WGMMA=0 (as for the forward)."""
+    if device.type != "cuda":
+        return False
+    hopper = _hopper.get(device.index)
+    if hopper is None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        hopper = _hopper[device.index] = torch.cuda.get_device_capability(index) == (9, 0)
+    return hopper and env.wgmma_enabled()
+
+
+def plan(head_dim: int, dtype: torch.dtype, wgmma: bool = False) -> VarlenBackwardSpec:
+    """The specialization a backward runs: the Hopper rung where it covers the head_dim and
+    `wgmma` allows it (with a producer warpgroup at PRODUCER_HEAD_DIMS), else mma.sync; the
+    tuned tile of the head_dim."""
+    wgmma = wgmma and VarlenBackwardSpec.wgmma_fits(head_dim)
+    return VarlenBackwardSpec(head_dim, check.DTYPE_NAMES[dtype], wgmma=wgmma,
+                              producer=wgmma and head_dim in PRODUCER_HEAD_DIMS)
+
+
+def _kernel(head_dim: int, dtype: torch.dtype, wgmma: bool):
+    entry = _kernels.get((head_dim, dtype, wgmma))
+    if entry is None:
+        spec = plan(head_dim, dtype, wgmma)
+        entry = _kernels[(head_dim, dtype, wgmma)] = (get_module(spec).ops.run.default, spec)
+    return entry
+
+
+def num_key_blocks(max_k: int, block_n: int) -> int:
+    return -(-max_k // block_n)
+
+
+def _writable(t: Tensor) -> bool:
+    """Whether the kernels can write `t` with 16-byte rows in place."""
+    per_vec = 16 // t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % per_vec == 0 for s in t.stride()[:-1])
+
+
+def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
+             lse: Tensor | None, cu_seq_q: Tensor, cu_seq_k: Tensor, seqused_k: Tensor | None = None, *,
+             scale: float | None = None, window_size=(-1, -1), max_q: int | None = None, max_k: int | None = None,
+             deterministic: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) in the dtypes and shapes of query, key, value (dq with query's strides where
+    it can). lse (H_q, T_q) as the forward returned it, or None / (0, T_q): recomputed by a
+    forward. grad_lse None or (0, T_q): no lse gradient. max_q / max_k: the forward's; None
+    sizes the grid by T_q / T_k (correct, but a larger grid). deterministic None: under
+    torch.use_deterministic_algorithms(True)."""
+    total_q, heads_q, head_dim = query.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    left, right = (min(int(w), WINDOW_CLAMP) for w in window_size)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    if max_q is None:
+        max_q = total_q
+    if max_k is None:
+        max_k = key.shape[0]
+    if lse is None or lse.shape[0] != heads_q:
+        lse = _forward_lse(query, key, value, cu_seq_q, cu_seq_k, seqused_k, max_q, max_k, scale, (left, right))
+    if grad_lse is not None and grad_lse.shape[0] != heads_q:
+        grad_lse = None
+    run, spec = _kernel(head_dim, query.dtype, wgmma_allowed(query.device))
+
+    dq = torch.empty_like(query)
+    dk = torch.zeros_like(key)
+    dv = torch.zeros_like(value)
+    targets = [t if _writable(t) else torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (dq, dk, dv)]
+    q, k, v = check.vectors_ready(query, key, value)
+    grad_out, out = check.vector_ready(grad_out), check.vector_ready(out)
+    lse = lse.float()
+    if grad_lse is not None:
+        grad_lse = grad_lse.float()
+    cu_seq_q, cu_seq_k = cu_seq_q.contiguous(), cu_seq_k.contiguous()
+    if seqused_k is not None:
+        seqused_k = seqused_k.contiguous()
+    if total_q > 0:
+        run(grad_out, grad_lse, q, k, v, out, lse, cu_seq_q, cu_seq_k, seqused_k, targets[0], targets[1], targets[2],
+            num_key_blocks(max_k, spec.block_n), left, right, scale, scale * LOG2E, bool(deterministic))
+    for result, target in zip((dq, dk, dv), targets):
+        if target is not result:
+            result.copy_(target)
+    return dq, dk, dv
+
+
+def _forward_lse(query, key, value, cu_seq_q, cu_seq_k, seqused_k, max_q, max_k, scale, window) -> Tensor:
+    """The lse of a forward called without it (a direct call of jitattn::varlen_attn with
+    return_lse=False): computed again by the forward kernels."""
+    import jitattn.varlen.forward as forward_module  # the module, so tests can stand in for its forward
+    from jitattn.varlen.checks import AuxRequest
+
+    _, lse = forward_module.forward(query.detach(), key.detach(), value.detach(), cu_seq_q, cu_seq_k, max_q, max_k,
+                            scale=scale, window_size=window, enable_gqa=query.shape[1] != key.shape[1],
+                            seqused_k=seqused_k, block_table=None, num_splits=1, return_aux=AuxRequest(lse=True))
+    return lse

@@ -1,0 +1,204 @@
+// Pieces both rungs of the backward's main kernel share (included by backward.cu.j2): the
+// tile loads, the step from scores to gradients on MMA accumulators, the mask, the dQ
+// atomics and the dK / dV epilogue.
+//
+// Accumulator fragments are mma.sync's m16n8 C layout (wgmma's too, per warp): tile t holds
+// rows g and g + 8 (g = lane / 4) and columns 8t + 2c, 8t + 2c + 1 (c = lane % 4) in elements
+// {0, 1} and {2, 3}. In S^T, dP^T, P^T and dS^T the rows are keys and the columns queries.
+
+constexpr int ROW_CHUNKS = (CHUNKS + 7) / 8 * 8;  // shared row of K, V, Q, dO: whole swizzle groups
+
+// 16-byte chunk `chunk` of row `row` of a tile with RC chunks a row, XOR-swizzled so the 8 rows
+// one ldmatrix (or one wgmma core matrix) reads at the same column fall in distinct bank groups.
+// RowSwizzle: rows one after the other (mma.sync rung). AtomSwizzle: the layout of wgmma's
+// 128-byte swizzle, each 8 rows x 64 columns one 1024-byte atom, the atoms of an 8-row group
+// side by side, then the next group (Hopper rung); for RC = 8 the two are the same.
+template <int RC>
+struct RowSwizzle {
+  __device__ __forceinline__ static int at(int row, int chunk) { return row * RC + (chunk ^ (row & 7)); }
+};
+template <int RC>
+struct AtomSwizzle {
+  __device__ __forceinline__ static int at(int row, int chunk) {
+    return (row / 8) * (RC * 8) + (chunk / 8) * 64 + (row % 8) * 8 + ((chunk % 8) ^ (row % 8));
+  }
+};
+
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(gmem));
+}
+
+// The key tile's K and V (zero past the sequence's keys), `threads` threads.
+template <typename Layout, int THREADS_>
+__device__ __forceinline__ void load_kv(const BwdParams& p, const Work& w, uint4* k_smem, uint4* v_smem, int tid) {
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
+  for (int idx = tid; idx < BLOCK_N * CHUNKS; idx += THREADS_) {
+    const int row = idx / CHUNKS, chunk = idx % CHUNKS;
+    const int n = w.n0 + row;
+    const bool valid = n < w.k_len;
+    const int64_t token = valid ? int64_t(w.k_start) + n : 0;
+    cp_async_16(k_smem + Layout::at(row, chunk), k + token * p.k_stride_token + w.kv_head * p.k_stride_head + chunk * 8,
+                valid);
+    cp_async_16(v_smem + Layout::at(row, chunk), v + token * p.v_stride_token + w.kv_head * p.v_stride_head + chunk * 8,
+                valid);
+  }
+}
+
+// Query tile m's Q and dO rows (zero past the sequence) and its lse2 / delta (+inf / 0 past it,
+// so those rows get P = 0 even where no mask runs): stats[row] and stats[BLOCK_M + row].
+template <typename Layout, int THREADS_>
+__device__ __forceinline__ void load_query_tile(const BwdParams& p, const Work& w, int m, uint4* q_smem,
+                                                uint4* do_smem, float* stats, int tid) {
+  const T* q = static_cast<const T*>(p.q);
+  const T* dout = static_cast<const T*>(p.dout);
+  const int pr0 = m * BLOCK_M;
+  for (int idx = tid; idx < BLOCK_M * CHUNKS; idx += THREADS_) {
+    const int row = idx / CHUNKS, chunk = idx % CHUNKS;
+    const int pr = pr0 + row;
+    const bool valid = pr < w.rows;
+    int64_t q_off = 0, do_off = 0;
+    if (valid) {
+      const int r = pr / p.pack;
+      const int64_t token = int64_t(w.q_start) + r;
+      const int head = w.kv_head * p.pack + (pr - r * p.pack);
+      q_off = token * p.q_stride_token + head * p.q_stride_head + chunk * 8;
+      do_off = token * p.dout_stride_token + head * p.dout_stride_head + chunk * 8;
+    }
+    cp_async_16(q_smem + Layout::at(row, chunk), q + q_off, valid);
+    cp_async_16(do_smem + Layout::at(row, chunk), dout + do_off, valid);
+  }
+  for (int row = tid; row < BLOCK_M; row += THREADS_) {
+    const int pr = pr0 + row;
+    if (pr < w.rows) {
+      const int64_t at = int64_t(w.kv_head) * p.dq_rows + int64_t(w.q_start) * p.pack + pr;
+      cp_async_4(stats + row, p.lse2 + at);
+      cp_async_4(stats + BLOCK_M + row, p.delta + at);
+    } else {
+      stats[row] = INFINITY;
+      stats[BLOCK_M + row] = 0.f;
+    }
+  }
+}
+
+// S^T -> P^T = exp2(S^T * scale_log2 - lse2) in place, for TILES tiles of queries q0 + 8t.
+template <int TILES>
+__device__ __forceinline__ void scores_to_probs(float (&s)[TILES][4], const float* lse2, float sl2, int q0, int c) {
+#pragma unroll
+  for (int t = 0; t < TILES; ++t) {
+    const float2 l = *reinterpret_cast<const float2*>(lse2 + q0 + t * 8 + 2 * c);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[t][e] = fast_exp2(fmaf(s[t][e], sl2, -((e & 1) ? l.y : l.x)));
+  }
+}
+
+// dP^T -> dS^T = P^T * (dP^T - delta) in place.
+template <int TILES>
+__device__ __forceinline__ void probs_to_dscores(const float (&pt)[TILES][4], float (&dp)[TILES][4], const float* delta,
+                                                 int q0, int c) {
+#pragma unroll
+  for (int t = 0; t < TILES; ++t) {
+    const float2 d = *reinterpret_cast<const float2*>(delta + q0 + t * 8 + 2 * c);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dp[t][e] = pt[t][e] * (dp[t][e] - ((e & 1) ? d.y : d.x));
+  }
+}
+
+// Zero P^T and dS^T where the (key, query) pair is hidden: past the sequence's rows or keys, or
+// outside the window. Only boundary tiles run it.
+template <int TILES>
+__device__ __forceinline__ void mask_hidden(const BwdParams& p, const Work& w, int m, int key0, int q0, int g, int c,
+                                            float (&pt)[TILES][4], float (&ds)[TILES][4]) {
+  const int off = w.k_len - w.q_len;
+#pragma unroll
+  for (int t = 0; t < TILES; ++t)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int pr = m * BLOCK_M + q0 + t * 8 + 2 * c + half;
+      const int r = pr / p.pack;
+      const int lo = p.window_left >= 0 ? r + off - p.window_left : INT_MIN;
+      const int hi = p.window_right >= 0 ? min(w.k_len, r + off + p.window_right + 1) : w.k_len;
+#pragma unroll
+      for (int e = half; e < 4; e += 2) {
+        const int key = w.n0 + key0 + g + (e >= 2 ? 8 : 0);
+        if (pr >= w.rows || key < lo || key >= hi) pt[t][e] = ds[t][e] = 0.f;
+      }
+    }
+}
+
+// The A fragment (m16n8k16) of k-step kk from accumulator tiles 2kk and 2kk + 1, rounded to T.
+template <int TILES>
+__device__ __forceinline__ void a_fragment(uint32_t (&a)[4], const float (&acc)[TILES][4], int kk) {
+  a[0] = pack2<T>(acc[2 * kk][0], acc[2 * kk][1]);
+  a[1] = pack2<T>(acc[2 * kk][2], acc[2 * kk][3]);
+  a[2] = pack2<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+  a[3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+}
+
+// Add one n8 tile of dQ (this thread: rows g and g + 8, columns 2c, 2c + 1) into the fp32
+// accumulator rows `row_g` / `row_g8` (nullptr: outside the sequence). On sm_90 lanes c and
+// c ^ 1 first swap halves so each adds four adjacent floats with one vector atomic.
+__device__ __forceinline__ void add_dq(float* row_g, float* row_g8, const float (&acc)[4], int c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const bool odd = c & 1;
+  const float y0 = __shfl_xor_sync(0xffffffffu, odd ? acc[0] : acc[2], 1);
+  const float y1 = __shfl_xor_sync(0xffffffffu, odd ? acc[1] : acc[3], 1);
+  if (!odd) {
+    if (row_g) atomicAdd(reinterpret_cast<float4*>(row_g + 2 * c), make_float4(acc[0], acc[1], y0, y1));
+  } else {
+    if (row_g8) atomicAdd(reinterpret_cast<float4*>(row_g8 + 2 * c - 2), make_float4(y0, y1, acc[2], acc[3]));
+  }
+#else
+  if (row_g) {
+    atomicAdd(row_g + 2 * c, acc[0]);
+    atomicAdd(row_g + 2 * c + 1, acc[1]);
+  }
+  if (row_g8) {
+    atomicAdd(row_g8 + 2 * c, acc[2]);
+    atomicAdd(row_g8 + 2 * c + 1, acc[3]);
+  }
+#endif
+}
+
+// The dQ accumulator's row of packed row pr of query tile m's sequence, or nullptr past it.
+__device__ __forceinline__ float* dq_row(const BwdParams& p, const Work& w, int pr) {
+  if (pr >= w.rows) return nullptr;
+  return p.dq_accum + (int64_t(w.kv_head) * p.dq_rows + int64_t(w.q_start) * p.pack + pr) * HEAD_DIM;
+}
+
+// Epilogue: dK (times scale) and dV as T through shared memory (`staging`: 2 * BLOCK_N rows of
+// ROW_CHUNKS chunks, free now), then 16-byte rows for the keys of the sequence. Each thread
+// passes its TILES accumulator tiles of dK and dV (rows key0 + g (+ 8)) and the head_dim chunk
+// of each (chunk_of(t) < 0: none); all THREADS_ threads (tid < THREADS_) then copy, after
+// `sync()`, a barrier among exactly them.
+template <int TILES, int THREADS_, typename ChunkOf, typename Sync>
+__device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Work& w, const float (&dk)[TILES][4],
+                                            const float (&dv)[TILES][4], int key0, int g, int c, ChunkOf chunk_of,
+                                            uint4* staging, int tid, Sync sync) {
+  using Rows = RowSwizzle<ROW_CHUNKS>;
+  uint32_t* dk32 = reinterpret_cast<uint32_t*>(staging);
+  uint32_t* dv32 = dk32 + BLOCK_N * ROW_CHUNKS * 4;
+#pragma unroll
+  for (int t = 0; t < TILES; ++t) {
+    const int chunk = chunk_of(t);
+    if (chunk < 0) continue;
+    dk32[Rows::at(key0 + g, chunk) * 4 + c] = pack2<T>(dk[t][0] * p.scale, dk[t][1] * p.scale);
+    dk32[Rows::at(key0 + g + 8, chunk) * 4 + c] = pack2<T>(dk[t][2] * p.scale, dk[t][3] * p.scale);
+    dv32[Rows::at(key0 + g, chunk) * 4 + c] = pack2<T>(dv[t][0], dv[t][1]);
+    dv32[Rows::at(key0 + g + 8, chunk) * 4 + c] = pack2<T>(dv[t][2], dv[t][3]);
+  }
+  sync();
+  const uint4* dk_rows = reinterpret_cast<const uint4*>(dk32);
+  const uint4* dv_rows = reinterpret_cast<const uint4*>(dv32);
+  for (int idx = tid; idx < BLOCK_N * CHUNKS; idx += THREADS_) {
+    const int row = idx / CHUNKS, chunk = idx % CHUNKS;
+    const int n = w.n0 + row;
+    if (n >= w.k_len) continue;
+    const int64_t token = int64_t(w.k_start) + n;
+    *reinterpret_cast<uint4*>(static_cast<T*>(p.dk) + token * p.dk_stride_token + w.kv_head * p.dk_stride_head +
+                              chunk * 8) = dk_rows[Rows::at(row, chunk)];
+    *reinterpret_cast<uint4*>(static_cast<T*>(p.dv) + token * p.dv_stride_token + w.kv_head * p.dv_stride_head +
+                              chunk * 8) = dv_rows[Rows::at(row, chunk)];
+  }
+}

@@ -1,0 +1,64 @@
+// The backward's preprocess and postprocess kernels (included by backward.cu.j2), one thread
+// per 16-byte chunk of a (token, head) row.
+
+// Threads per row in the preprocess: CHUNKS rounded up to a power of two (the row's dot
+// product is reduced with xor shuffles inside those lanes).
+constexpr int PRE_LANES = CHUNKS <= 1 ? 1 : CHUNKS <= 2 ? 2 : CHUNKS <= 4 ? 4 : CHUNKS <= 8 ? 8 : CHUNKS <= 16 ? 16 : 32;
+constexpr int PRE_THREADS = 256;
+constexpr int PRE_ROWS = PRE_THREADS / PRE_LANES;  // rows per CTA
+static_assert(CHUNKS <= 32, "a row's chunks fit one warp");
+
+__device__ __forceinline__ int64_t packed_row(const BwdParams& p, int token, int head) {
+  const int kv_head = head / p.pack;
+  return int64_t(kv_head) * p.dq_rows + int64_t(token) * p.pack + (head - kv_head * p.pack);
+}
+
+// delta = rowsum(dO * O) - dlse, lse2 = lse * log2(e) (+inf where lse = -inf: P = 0 there),
+// and the row's dQ accumulator zeroed. Every (token, head) of the tensors, in or out of a
+// sequence (rows outside every sequence are never read by the main kernel, and their dQ
+// comes out zero).
+__global__ void __launch_bounds__(PRE_THREADS) varlen_bwd_pre(const BwdParams p) {
+  allow_dependent_launch();  // the main kernel waits for this grid before reading its results
+  const int row = blockIdx.x * PRE_ROWS + threadIdx.x / PRE_LANES;
+  const int part = threadIdx.x % PRE_LANES;
+  const bool valid = row < p.total_q * p.num_heads_q;
+  const int token = valid ? row / p.num_heads_q : 0, head = valid ? row - token * p.num_heads_q : 0;
+  float dot = 0.f;
+  if (valid && part < CHUNKS) {
+    float o[8], d[8];
+    load_floats<T, 8>(static_cast<const T*>(p.out) + token * p.out_stride_token + head * p.out_stride_head + part * 8, o);
+    load_floats<T, 8>(static_cast<const T*>(p.dout) + token * p.dout_stride_token + head * p.dout_stride_head + part * 8, d);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) dot = fmaf(o[e], d[e], dot);
+  }
+#pragma unroll
+  for (int width = PRE_LANES / 2; width > 0; width /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, width);
+  if (!valid) return;
+  const int64_t prow = packed_row(p, token, head);
+  if (part < CHUNKS) {
+    float4* acc = reinterpret_cast<float4*>(p.dq_accum + prow * HEAD_DIM + part * 8);
+    acc[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+    acc[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  if (part == 0) {
+    const float lse = p.lse[head * p.lse_stride_head + token * p.lse_stride_token];
+    const float dlse = p.dlse ? p.dlse[head * p.dlse_stride_head + token * p.dlse_stride_token] : 0.f;
+    p.delta[prow] = dot - dlse;
+    p.lse2[prow] = lse == -INFINITY ? INFINITY : lse * LOG2E;
+  }
+}
+
+// dQ = scale * accumulator, in q's dtype, for every (token, head).
+__global__ void __launch_bounds__(256) varlen_bwd_post(const BwdParams p) {
+  wait_for_prerequisite_grid();
+  const int64_t idx = int64_t(blockIdx.x) * 256 + threadIdx.x;
+  const int64_t row = idx / CHUNKS;
+  if (row >= int64_t(p.total_q) * p.num_heads_q) return;
+  const int chunk = static_cast<int>(idx - row * CHUNKS);
+  const int token = static_cast<int>(row / p.num_heads_q), head = static_cast<int>(row - int64_t(token) * p.num_heads_q);
+  const float4* src = reinterpret_cast<const float4*>(p.dq_accum + packed_row(p, token, head) * HEAD_DIM + chunk * 8);
+  const float4 x0 = src[0], x1 = src[1];
+  const float vals[8] = {x0.x * p.scale, x0.y * p.scale, x0.z * p.scale, x0.w * p.scale,
+                         x1.x * p.scale, x1.y * p.scale, x1.z * p.scale, x1.w * p.scale};
+  store_floats<T, 8>(static_cast<T*>(p.dq) + token * p.dq_stride_token + head * p.dq_stride_head + chunk * 8, vals);
+}

@@ -1,0 +1,115 @@
+// The backward's schedule and window arithmetic, shared by its rungs (included by backward.cu.j2).
+//
+// One CTA per (key tile, KV head, sequence). blockIdx.x decodes heaviest first: key tiles are
+// counted from the end of their sequence (j = n_tiles - 1 - n), and j runs from the largest
+// down, so the first CTAs are the first key tiles of the longest sequences: with a causal
+// mask those see the most query rows, and without one every tile of a long sequence is as
+// heavy as any. j comes in bands of N_BAND; inside a band the tiles of one (sequence, KV
+// head) are adjacent, so CTAs that stream the same Q and dO rows run side by side and share
+// them in L2. Within one (sequence, KV head) a higher key tile has a higher block index.
+//
+// Deterministic mode orders each query tile's dQ additions by key tile, and a CTA only ever
+// waits on CTAs with lower block indices (they start first: no deadlock). With a right window
+// edge (causal, sliding, general windows) the walk of key tile n starts at the query tiles of
+// its own keys, so a query tile is reached by the highest key tile first and by tile 0 last:
+// the order there is descending (highest key tile adds first) and the key tiles of a
+// (sequence, KV head) are laid out highest first too (j ascending). Ascending, it would run the
+// tiles of a sequence as a wavefront, one tile behind the other (measured 1.5-1.65x the
+// default's time, causal 8 x 4k on the H200). Without a right edge every tile starts at query
+// tile 0, and the order is ascending.
+//
+// Plain arithmetic on BwdParams (no device intrinsics), so tests compile it on the host too
+// (tests/test_varlen_backward_schedule.py). The deterministic order's waits: backward_sync.cuh.
+//
+// Masks: key c is visible from query row r iff r + off - left <= c <= r + off + right, c < Lk,
+// off = Lk - Lq (bottom-right aligned windows, as in the forward).
+
+struct Work {
+  int seq, kv_head;
+  int n_block, n0;            // this CTA's key tile and its first key
+  int q_start, q_len, rows;   // rows = q_len * pack (packed)
+  int k_start, k_len;
+  int m_begin, m_end;         // query tiles (BLOCK_M packed rows) that see a key of the tile
+  int n_tiles;                // key tiles of the sequence
+  int t_first;                // lowest key tile of this (sequence, KV head) that has a CTA
+  bool descending;            // deterministic dQ order: highest key tile first (see above)
+};
+
+constexpr int N_BAND = 2048 / BLOCK_N > 1 ? 2048 / BLOCK_N : 1;
+
+__device__ __forceinline__ bool decode_work(const BwdParams& p, Work& w) {
+  const int per_j = p.num_seqs * p.num_heads_kv;
+  const int J = p.num_n_blocks;
+  const int band = blockIdx.x / (per_j * N_BAND);  // bands before the last are full
+  int rest = blockIdx.x - band * per_j * N_BAND;
+  const int band_blocks = min(N_BAND, J - band * N_BAND);
+  const int position = band * N_BAND + rest % band_blocks;  // in the order of j
+  w.descending = p.semaphores != nullptr && p.window_right >= 0;
+  const int j = w.descending ? position : J - 1 - position;
+  rest /= band_blocks;
+  w.kv_head = rest % p.num_heads_kv;
+  w.seq = rest / p.num_heads_kv;
+  // Clamp to the tensors, so malformed metadata can never index outside them.
+  w.q_start = p.cu_seq_q[w.seq];
+  w.q_len = w.q_start < 0 ? 0 : max(0, min(p.cu_seq_q[w.seq + 1], p.total_q) - w.q_start);
+  w.rows = w.q_len * p.pack;
+  w.k_start = p.cu_seq_k[w.seq];
+  int k_len = p.seqused_k ? p.seqused_k[w.seq] : p.cu_seq_k[w.seq + 1] - w.k_start;
+  k_len = w.k_start < 0 ? 0 : min(k_len, p.total_k - w.k_start);
+  w.k_len = max(0, k_len);
+  const int n_tiles = (w.k_len + BLOCK_N - 1) / BLOCK_N;
+  w.n_tiles = n_tiles;
+  w.n_block = n_tiles - 1 - j;
+  if (w.n_block < 0) return false;
+  w.t_first = max(0, n_tiles - J);  // tiles below it have no CTA (only when max_k is too small)
+  w.n0 = w.n_block * BLOCK_N;
+  // Query rows that see a key of [n0, n1): [r_min, r_max].
+  const int64_t n1 = min(w.n0 + BLOCK_N, w.k_len);
+  const int64_t off = int64_t(w.k_len) - w.q_len;
+  const int64_t r_min = p.window_right >= 0 ? max(int64_t(0), w.n0 - off - p.window_right) : 0;
+  const int64_t r_max = p.window_left >= 0 ? min(int64_t(w.q_len) - 1, n1 - 1 - off + p.window_left)
+                                           : int64_t(w.q_len) - 1;
+  if (r_min > r_max) {
+    w.m_begin = w.m_end = 0;  // no query sees these keys: zero dK and dV
+  } else {
+    w.m_begin = static_cast<int>(r_min * p.pack / BLOCK_M);
+    w.m_end = static_cast<int>(((r_max + 1) * p.pack - 1) / BLOCK_M) + 1;
+  }
+  return true;
+}
+
+// What query tile m of work w needs: whether any (row, key) pair of the block is hidden (only
+// such boundary blocks are masked element by element), and, for the deterministic dQ order,
+// its turn: how many key tiles add to the query tile before this one (the active tiles below
+// it, or above it when descending; the active key tiles of a query tile are contiguous).
+struct QueryTile {
+  bool masked;
+  int turn;
+};
+
+__device__ __forceinline__ QueryTile query_tile(const BwdParams& p, const Work& w, int m) {
+  const int pr0 = m * BLOCK_M;
+  const int r_lo = pr0 / p.pack, r_hi = (min(pr0 + BLOCK_M, w.rows) - 1) / p.pack;
+  const int off = w.k_len - w.q_len;
+  QueryTile t;
+  t.masked = w.n0 + BLOCK_N > w.k_len || (p.window_left >= 0 && w.n0 < r_hi + off - p.window_left) ||
+             (p.window_right >= 0 && w.n0 + BLOCK_N - 1 > r_lo + off + p.window_right);
+  if (w.descending) {
+    const int k_hi = min(w.k_len, r_hi + off + p.window_right + 1);  // window_right >= 0 here
+    t.turn = min(w.n_tiles - 1, (k_hi - 1) / BLOCK_N) - w.n_block;
+  } else {
+    const int k_lo = p.window_left >= 0 ? max(0, r_lo + off - p.window_left) : 0;
+    t.turn = w.n_block - max(k_lo / BLOCK_N, w.t_first);
+  }
+  return t;
+}
+
+// Deterministic dQ: CTAs add a query tile's dQ in ascending key-tile order. Each (KV head,
+// query tile) has a counter of the key tiles that added; a CTA waits until it equals the
+// number of tiles before its own, adds, then counts itself. Query tile m of sequence s is
+// counter (q_start * pack) / BLOCK_M + s + m of its KV head: sequences never share one.
+__device__ __forceinline__ int* dq_semaphore(const BwdParams& p, const Work& w, int m) {
+  const int64_t index = int64_t(w.q_start) * p.pack / BLOCK_M + w.seq + m;
+  if (index < 0 || index >= p.sem_stride) return nullptr;  // malformed metadata: no order, no hang
+  return p.semaphores + int64_t(w.kv_head) * p.sem_stride + index;
+}

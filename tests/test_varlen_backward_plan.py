@@ -1,0 +1,189 @@
+"""How the varlen backward plans its launch (jitattn/varlen/backward_launch.py), on the CPU: the
+specialization, the grid, the arguments and the outputs that reach the kernel. The module is a
+stand-in that records the launch and marks what it writes; the kernels run in
+tests/test_varlen_backward_gpu.py."""
+import math
+import types
+
+import pytest
+import torch
+
+from jitattn.varlen import backward_launch as launch
+from jitattn.varlen.spec import VarlenBackwardSpec
+
+F16, BF16, I32 = torch.float16, torch.bfloat16, torch.int32
+NAMES = ("dout", "dlse", "q", "k", "v", "out", "lse", "cu_q", "cu_k", "used", "dq", "dk", "dv", "n_blocks", "left",
+         "right", "scale", "scale_log2", "deterministic")
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every launch as (spec, named args); the stand-in writes 1 into dq, 2 into dk, 3 into dv
+    (the real kernel writes every dq row and the keys of each sequence)."""
+    recorded = []
+
+    def fake_get_module(spec):
+        def run(*args):
+            named = dict(zip(NAMES, args))
+            recorded.append((spec, named))
+            named["dq"].fill_(1)
+            named["dk"][:1].fill_(2)
+            named["dv"][:1].fill_(3)
+
+        return types.SimpleNamespace(ops=types.SimpleNamespace(run=types.SimpleNamespace(default=run)))
+
+    monkeypatch.setattr(launch, "get_module", fake_get_module)
+    monkeypatch.setattr(launch, "_kernels", {})
+    monkeypatch.delenv("JITATTN_WGMMA", raising=False)
+    return recorded
+
+
+def inputs(len_q, len_k, h_q=8, h_kv=2, d=128, dtype=BF16, lse=True):
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=I32)
+    t_q, t_k = sum(len_q), sum(len_k)
+    q = torch.randn(t_q, h_q, d).to(dtype)
+    k, v = torch.randn(t_k, h_kv, d).to(dtype), torch.randn(t_k, h_kv, d).to(dtype)
+    out, dout = torch.randn_like(q), torch.randn_like(q)
+    lse_t = torch.randn(h_q, t_q) if lse else torch.empty(0, t_q)
+    return dict(grad_out=dout, grad_lse=None, query=q, key=k, value=v, out=out, lse=lse_t, cu_seq_q=cu(len_q),
+                cu_seq_k=cu(len_k), seqused_k=None)
+
+
+def call(launches, window=(-1, 0), lengths=([100, 300], [100, 500]), shape=None, max_q=300, max_k=500, **kw):
+    """launch.backward on fresh inputs -> ((dq, dk, dv), (spec, named run args), inputs)."""
+    args = {**inputs(*lengths, **(shape or {})), **kw}
+    result = launch.backward(**args, window_size=window, max_q=max_q, max_k=max_k)
+    return result, launches[-1] if launches else None, args
+
+
+@pytest.mark.parametrize("head_dim, tile", [(32, (128, 64, 1)), (64, (128, 64, 1)), (128, (128, 64, 1)),
+                                            (144, (64, 64, 2)), (256, (64, 64, 2))])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+def test_spec_is_the_tuned_tile_of_the_head_dim(launches, head_dim, tile, dtype):
+    _, (spec, run), _ = call(launches, shape=dict(d=head_dim, dtype=dtype))
+    assert spec == VarlenBackwardSpec(head_dim, {F16: "float16", BF16: "bfloat16"}[dtype])
+    assert (spec.block_n, spec.block_m, spec.warps_q) == tile and not spec.wgmma
+
+
+@pytest.mark.parametrize("head_dim, hopper, knob, want", [
+    (64, True, None, True), (128, True, None, True), (128, True, "0", False), (256, True, None, False),
+    (96, True, None, False), (128, False, None, False)])
+def test_hopper_rung_where_it_covers_the_head_dim(launches, monkeypatch, head_dim, hopper, knob, want):
+    """On sm_90 head_dim 64 / 128 run the wgmma rung (JITATTN_WGMMA=0 turns it off, as for the
+    forward); other head dims and GPUs the mma.sync one."""
+    monkeypatch.setattr(launch, "wgmma_allowed", lambda device: hopper and knob != "0")
+    _, (spec, _), _ = call(launches, shape=dict(d=head_dim))
+    assert spec.wgmma is want
+    assert spec == VarlenBackwardSpec(head_dim, "bfloat16", wgmma=want)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_producer_warpgroup_at_the_head_dims_that_take_it(launches, monkeypatch, head_dim):
+    monkeypatch.setattr(launch, "wgmma_allowed", lambda device: True)
+    for dims in (frozenset(), frozenset({head_dim})):
+        monkeypatch.setattr(launch, "PRODUCER_HEAD_DIMS", dims)
+        monkeypatch.setattr(launch, "_kernels", {})
+        _, (spec, _), _ = call(launches, shape=dict(d=head_dim))
+        assert spec == VarlenBackwardSpec(head_dim, "bfloat16", wgmma=True, producer=bool(dims))
+    monkeypatch.setattr(launch, "wgmma_allowed", lambda device: False)  # mma.sync has no producer
+    monkeypatch.setattr(launch, "_kernels", {})
+    assert not call(launches, shape=dict(d=head_dim))[1][0].producer
+
+
+def test_wgmma_allowed_reads_the_device_and_the_knob(monkeypatch):
+    monkeypatch.setattr(launch, "_hopper", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.delenv("JITATTN_WGMMA", raising=False)
+    assert launch.wgmma_allowed(torch.device("cuda", 0))
+    monkeypatch.setenv("JITATTN_WGMMA", "0")
+    assert not launch.wgmma_allowed(torch.device("cuda", 0))
+    monkeypatch.setattr(launch, "_hopper", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    monkeypatch.delenv("JITATTN_WGMMA")
+    assert not launch.wgmma_allowed(torch.device("cuda", 0))
+
+
+def test_grid_comes_from_max_k_not_from_the_data(launches):
+    """No host sync: the key tiles per (sequence, KV head) are ceil(max_k / block_n); without
+    max_k (a direct op call) T_k bounds it."""
+    _, (spec, run), _ = call(launches, max_q=300, max_k=500)
+    assert run["n_blocks"] == math.ceil(500 / spec.block_n)
+    args = inputs([100, 300], [100, 500])
+    launch.backward(**args, window_size=(-1, 0))
+    assert launches[-1][1]["n_blocks"] == math.ceil(600 / spec.block_n)
+
+
+def test_scale_window_and_flags_reach_the_kernel(launches):
+    _, (_, run), _ = call(launches, window=(2**40, 7), scale=0.25)
+    assert (run["left"], run["right"]) == (launch.WINDOW_CLAMP, 7)  # wider than any sequence: clamped
+    assert run["scale"] == 0.25 and run["scale_log2"] == pytest.approx(0.25 * math.log2(math.e))
+    _, (_, run), _ = call(launches, window=(-1, -1))
+    assert (run["left"], run["right"]) == (-1, -1) and run["scale"] == pytest.approx(1 / math.sqrt(128))
+    assert run["deterministic"] is False
+
+
+def test_deterministic_mode_follows_torch(launches):
+    previous = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        _, (_, run), _ = call(launches)
+        assert run["deterministic"] is True
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    _, (_, run), _ = call(launches)
+    assert run["deterministic"] is False
+
+
+def test_outputs_are_fresh_tensors_shaped_like_the_inputs_with_dk_dv_zero_filled(launches):
+    (dq, dk, dv), (_, run), args = call(launches)
+    for g, t in zip((dq, dk, dv), (args["query"], args["key"], args["value"])):
+        assert g.shape == t.shape and g.dtype == t.dtype and g.stride() == torch.empty_like(t).stride()
+    assert run["dq"] is dq and run["dk"] is dk and run["dv"] is dv  # written in place
+    assert (dq == 1).all() and (dk[:1] == 2).all() and (dv[:1] == 3).all()
+    assert (dk[1:] == 0).all() and (dv[1:] == 0).all(), "keys the kernel does not write must be zero"
+
+
+def test_outputs_the_kernel_cannot_write_in_place_get_the_result_copied(launches):
+    """A key tensor that is a view with an odd row stride (not 16-byte rows): dk / dv come back
+    with empty_like's strides, the kernel wrote contiguous temporaries."""
+    args = inputs([10], [20])
+    wide = torch.randn(20, 2, 131).to(BF16)
+    args["key"] = wide[:, :, 1:129]  # 16-bit elements at an odd offset: misaligned rows
+    launch.backward(**args, window_size=(-1, -1), max_q=10, max_k=20)
+    (_, run) = launches[-1]
+    assert run["dk"].is_contiguous() and run["dk"].data_ptr() % 16 == 0
+    assert run["k"].is_contiguous(), "the kernel reads a 16-byte aligned copy of key"
+
+
+def test_lse_gradient_is_passed_only_when_it_has_rows(launches):
+    args = inputs([10, 20], [30, 5])
+    args["grad_lse"] = torch.zeros(0, 30)
+    launch.backward(**args, window_size=(-1, 0), max_q=20, max_k=30)
+    assert launches[-1][1]["dlse"] is None
+    args["grad_lse"] = torch.randn(8, 30, dtype=torch.float64)
+    launch.backward(**args, window_size=(-1, 0), max_q=20, max_k=30)
+    dlse = launches[-1][1]["dlse"]
+    assert dlse.dtype == torch.float32 and dlse.shape == (8, 30)
+
+
+def test_missing_lse_is_recomputed_by_one_forward_with_one_split(launches, monkeypatch):
+    calls = []
+
+    def forward(*args, **kw):
+        calls.append((args[5:7], kw))
+        return torch.empty_like(args[0]), torch.full((args[0].shape[1], args[0].shape[0]), 0.5)
+
+    import jitattn.varlen.forward as forward_module
+
+    monkeypatch.setattr(forward_module, "forward", forward)
+    args = inputs([10, 20], [30, 5], lse=False)
+    launch.backward(**args, window_size=(4, 0), max_q=20, max_k=30)
+    (max_qk, kw), = calls
+    assert max_qk == (20, 30) and kw["num_splits"] == 1 and kw["return_aux"].lse and kw["window_size"] == (4, 0)
+    assert (launches[-1][1]["lse"] == 0.5).all()
+
+
+def test_no_query_rows_launches_nothing_and_gives_zero_gradients(launches):
+    args = inputs([0, 0], [30, 5])
+    dq, dk, dv = launch.backward(**args, window_size=(-1, -1), max_q=0, max_k=30)
+    assert not launches and dq.shape[0] == 0 and (dk == 0).all() and (dv == 0).all()

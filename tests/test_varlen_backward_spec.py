@@ -1,0 +1,130 @@
+"""CPU tests of the varlen backward family's spec: names, content keys, rendering of every head_dim
+and tile, the shapes it refuses, the archs it builds for, the manifests that list it (no compiles;
+tests/test_compile.py builds it for real)."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from jitattn.jit import keys, render
+from jitattn.jit.manifest import read_manifest
+from jitattn.jit.registry import spec_from_dict
+from jitattn.varlen.spec import VarlenBackwardSpec, VarlenSpec
+
+REPO = Path(__file__).resolve().parent.parent
+TARGET = keys.BuildTarget(("9.0",), "13.0.88", "gcc 12.2.0")
+JINJA_LEFTOVER = re.compile(r"\{\{\s*\w|\{%-?\s*[a-z]|\{#")
+CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+
+
+@pytest.mark.parametrize("head_dim", range(32, 257, 16))
+def test_every_backward_head_dim_renders_completely(head_dim):
+    for dtype, ctype in CTYPES.items():
+        spec = VarlenBackwardSpec(head_dim, dtype)
+        out = render.render(spec, "ns")
+        assert set(out) == {"binding.cpp", "kernels.cu"}
+        for name, text in out.items():
+            assert not JINJA_LEFTOVER.search(text), (spec.name, name, JINJA_LEFTOVER.search(text))
+            assert spec.name in text
+        kernels = out["kernels.cu"]
+        assert f"constexpr int HEAD_DIM = {head_dim};" in kernels and f"using T = {ctype};" in kernels
+        assert f"constexpr int BLOCK_N = {spec.block_n};" in kernels
+        assert f"constexpr int WARPS_Q = {spec.warps_q};" in kernels
+        for kernel in ("varlen_bwd_pre", "varlen_bwd(", "varlen_bwd_post"):
+            assert f"void __launch_bounds__" in kernels and kernel in kernels
+        assert "TORCH_BOX(&run)" in out["binding.cpp"] and "ns" in out["binding.cpp"]
+
+
+def test_backward_default_tiles_fit_shared_memory_and_name_themselves():
+    for head_dim in range(32, 257, 16):
+        spec = VarlenBackwardSpec(head_dim)
+        assert spec.smem_bytes() <= 227 * 1024, spec.name
+        assert spec.warps in (4, 8, 16)
+    assert VarlenBackwardSpec(128).name == "varlen_backward_f16_d128_n128m64q1"
+    assert VarlenBackwardSpec(256, "bfloat16").name == "varlen_backward_bf16_d256_n64m64q2"
+    assert VarlenBackwardSpec(128, block_n=128) == VarlenBackwardSpec(128)  # 0 and the default are one spec
+
+
+@pytest.mark.parametrize("field, value", [("head_dim", 64), ("dtype", "bfloat16"), ("block_n", 64),
+                                          ("block_m", 128), ("warps_q", 2), ("wgmma", True), ("producer", True)])
+def test_backward_names_and_keys_differ_in_every_field(field, value):
+    base = VarlenBackwardSpec(128, wgmma=field == "producer")
+    other = dataclasses.replace(base, **{field: value})
+    assert other.name != base.name
+    assert keys.key_of(keys.components(base, TARGET)) != keys.key_of(keys.components(other, TARGET))
+
+
+def test_backward_spec_round_trips_through_a_dict():
+    spec = VarlenBackwardSpec(96, "bfloat16", block_n=64)
+    assert spec.to_dict()["family"] == "varlen_backward"
+    assert spec_from_dict(spec.to_dict()) == spec
+    assert spec_from_dict({"family": "varlen_backward", "head_dim": 64}) == VarlenBackwardSpec(64)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(head_dim=136), "multiple of 16"),
+    (dict(head_dim=16), "multiple of 16"),
+    (dict(head_dim=128, dtype="float8_e4m3fn"), "float16 or bfloat16"),
+    (dict(head_dim=256, warps_q=1), "warps_q=1 holds all of dK and dV"),
+    (dict(head_dim=128, warps_q=3), "warps_q must be 1 or 2"),
+    (dict(head_dim=128, block_m=32), "block_m 64 or 128"),
+    (dict(head_dim=128, block_n=256), r"\[32, 2 \* block_m\]"),
+    (dict(head_dim=64, block_n=48, block_m=128), "whole groups"),
+    (dict(head_dim=256, wgmma=True), "wgmma kernels cover head_dim 64 and 128"),
+    (dict(head_dim=96, wgmma=True), "wgmma kernels cover head_dim 64 and 128"),
+    (dict(head_dim=128, wgmma=True, block_m=128), "wgmma tile is block_n=128, block_m=64"),
+    (dict(head_dim=128, producer=True), "producer=True is part of the wgmma rung"),
+])
+def test_backward_spec_refuses_shapes_it_cannot_run(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        VarlenBackwardSpec(**kwargs)
+
+
+def test_backward_mma_rung_builds_plain_sm():
+    assert VarlenBackwardSpec(128).archs_for(("9.0a",)) == ("9.0",)
+    assert VarlenBackwardSpec(128).archs_for(("8.0", "9.0")) == ("8.0", "9.0")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype, ptx", [("float16", "f16"), ("bfloat16", "bf16")])
+@pytest.mark.parametrize("producer", [False, True])
+def test_backward_wgmma_rung_renders_and_targets_sm90a(head_dim, dtype, ptx, producer):
+    spec = VarlenBackwardSpec(head_dim, dtype, wgmma=True, producer=producer)
+    assert spec.name == f"varlen_backward_{ptx}_d{head_dim}_wgmma{'_producer' if producer else ''}_n128m64q1"
+    assert spec_from_dict(spec.to_dict()) == spec and spec.smem_bytes() <= 227 * 1024
+    kernels = render.render(spec, "ns")["kernels.cu"]
+    assert not JINJA_LEFTOVER.search(kernels)
+    # S^T / dP^T (n64), dV / dK (n = head_dim), dQ with a transposed A (n = head_dim / 2).
+    assert f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{ptx}.{ptx}" in kernels
+    assert f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.{ptx}.{ptx}" in kernels
+    assert f"wgmma.mma_async.sync.aligned.m64n{head_dim // 2}k16.f32.{ptx}.{ptx}" in kernels
+    assert "p, 1, 1, 1, %" in kernels  # the transposed-A form
+    assert f"constexpr bool PRODUCER = {'true' if producer else 'false'};" in kernels
+    assert spec.archs_for(("9.0",)) == spec.archs_for(("8.0", "9.0a")) == ("9.0a",)
+    with pytest.raises(ValueError, match="only sm_90"):
+        spec.archs_for(("8.0",))
+
+
+def test_backward_templates_are_apart_from_the_forward_ones():
+    """The forward's cache keys must not move when the backward's templates change."""
+    forward = render.template_files(render.templates_dir(), tuple(sorted(VarlenSpec.sources.values())))
+    backward = render.template_files(render.templates_dir(), tuple(sorted(VarlenBackwardSpec.sources.values())))
+    assert not [f for f in forward if "backward" in f]
+    assert {"varlen/backward_schedule.cuh", "varlen/backward_mma.cuh", "varlen/backward_wgmma.cuh",
+            "varlen/backward_prepost.cuh", "common/wgmma_ta.cuh"} <= set(backward)
+
+
+@pytest.mark.parametrize("manifest", ["default.toml", "gpu-tests.toml"])
+def test_manifests_list_the_backward_beside_the_forward(manifest):
+    specs = read_manifest(REPO / "cache" / manifest)
+    backward = {s for s in specs if isinstance(s, VarlenBackwardSpec)}
+    for head_dim in (64, 128, 256):
+        for dtype in ("float16", "bfloat16"):
+            assert VarlenBackwardSpec(head_dim, dtype) in backward, (manifest, head_dim, dtype)
+            if head_dim <= 128:
+                assert VarlenBackwardSpec(head_dim, dtype, wgmma=True) in backward, (manifest, head_dim, dtype)
+                producer = VarlenBackwardSpec(head_dim, dtype, wgmma=True, producer=True)
+                assert (producer in backward) == (manifest == "gpu-tests.toml"), "the producer variant is opt-in"
