@@ -232,11 +232,24 @@ def gemma2_config(**kw):
 CONFIGS = {"llama": llama_config, "mistral": mistral_config, "gemma2": gemma2_config}
 
 
+def reference_implementation(name: str) -> str:
+    """transformers' own implementation to compare with: sdpa, or eager where a transformers
+    release dropped sdpa for the architecture (Gemma-2 in 5.24)."""
+    try:
+        transformers.AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation="sdpa")
+    except ValueError as exc:
+        if "does not support an attention implementation" in str(exc):
+            return "eager"
+        raise
+    return "sdpa"
+
+
 def pair(name, **kw):
-    """The same random weights under sdpa and under jitattn (float32, eval)."""
+    """The same random weights under transformers' own attention and under jitattn (float32, eval)."""
     torch.manual_seed(0)
     ours = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](**kw), attn_implementation="jitattn")
-    theirs = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](**kw), attn_implementation="sdpa")
+    theirs = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](**kw),
+                                                           attn_implementation=reference_implementation(name))
     theirs.load_state_dict(ours.state_dict())
     return ours.eval(), theirs.eval()
 
