@@ -101,7 +101,7 @@ def test_backward_wgmma_rung_renders_and_targets_sm90a(head_dim, dtype, ptx, pro
     assert f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{ptx}.{ptx}" in kernels
     assert f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.{ptx}.{ptx}" in kernels
     assert f"wgmma.mma_async.sync.aligned.m64n{head_dim // 2}k16.f32.{ptx}.{ptx}" in kernels
-    assert "p, 1, 1, 1, %" in kernels  # the transposed-A form
+    assert "::ss<0, 1, 1>(" in kernels and '"n"(TRANS_A)' in kernels  # dQ = dS K reads dS^T transposed
     assert f"constexpr bool PRODUCER = {'true' if producer else 'false'};" in kernels
     assert spec.archs_for(("9.0",)) == spec.archs_for(("8.0", "9.0a")) == ("9.0a",)
     with pytest.raises(ValueError, match="only sm_90"):
@@ -114,7 +114,7 @@ def test_backward_templates_are_apart_from_the_forward_ones():
     backward = render.template_files(render.templates_dir(), tuple(sorted(VarlenBackwardSpec.sources.values())))
     assert not [f for f in forward if "backward" in f]
     assert {"varlen/backward_schedule.cuh", "varlen/backward_mma.cuh", "varlen/backward_wgmma.cuh",
-            "varlen/backward_prepost.cuh", "common/wgmma_ta.cuh"} <= set(backward)
+            "varlen/backward_prepost.cuh", "common/wgmma.cuh"} <= set(backward)
 
 
 @pytest.mark.parametrize("manifest", ["default.toml", "gpu-tests.toml"])

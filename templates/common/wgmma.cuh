@@ -86,16 +86,16 @@ template <typename T, int N> struct Wgmma;
 {% set regs = n // 2 %}
 {% for ctype, ptx in [("__half", "f16"), ("__nv_bfloat16", "bf16")] %}
 template <> struct Wgmma<{{ ctype }}, {{ n }}> {
-  // d (+)= A (shared, K-major) * B (shared; K-major, or MN-major when TRANS_B); d is
-  // overwritten when SCALE_D is 0.
-  template <int SCALE_D, int TRANS_B>
+  // d (+)= A (shared; K-major, or MN-major when TRANS_A: the varlen backward's dS^T read as dS)
+  // * B (shared; K-major, or MN-major when TRANS_B); d is overwritten when SCALE_D is 0.
+  template <int SCALE_D, int TRANS_B, int TRANS_A = 0>
   __device__ __forceinline__ static void ss(float (&d)[{{ regs }}], uint64_t a, uint64_t b) {
     asm volatile(
         "{{ "{" }}\n.reg .pred p;\nsetp.ne.b32 p, %{{ regs + 2 }}, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n{{ n }}k16.f32.{{ ptx }}.{{ ptx }} "
-        "{{ operands(0, regs) }}, %{{ regs }}, %{{ regs + 1 }}, p, 1, 1, 0, %{{ regs + 3 }};\n{{ "}" }}\n"
+        "{{ operands(0, regs) }}, %{{ regs }}, %{{ regs + 1 }}, p, 1, 1, %{{ regs + 4 }}, %{{ regs + 3 }};\n{{ "}" }}\n"
         : {{ pinned(regs) }}
-        : "l"(a), "l"(b), "n"(SCALE_D), "n"(TRANS_B));
+        : "l"(a), "l"(b), "n"(SCALE_D), "n"(TRANS_B), "n"(TRANS_A));
   }
   // d += A (registers: four 16-bit pairs) * B (shared; MN-major when TRANS_B).
   template <int TRANS_B>

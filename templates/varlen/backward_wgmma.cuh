@@ -238,10 +238,10 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const BwdParams p) {
     float dq[DQ_N / 2];
     wgmma_pin(dk);
     wgmma_fence();
-    WgmmaTA<T, DQ_N>::ss<0, 1>(dq, ds_tile_desc, kt_desc);
+    Wgmma<T, DQ_N>::ss<0, 1, 1>(dq, ds_tile_desc, kt_desc);
 #pragma unroll
     for (int kk = 1; kk < BLOCK_N / 16; ++kk)
-      WgmmaTA<T, DQ_N>::ss<1, 1>(dq, ds_tile_desc + kk * 16 * DS_CHUNKS, kt_desc + kk * ROWS16);
+      Wgmma<T, DQ_N>::ss<1, 1, 1>(dq, ds_tile_desc + kk * 16 * DS_CHUNKS, kt_desc + kk * ROWS16);
     wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < BLOCK_M / 16; ++kk) Wgmma<T, HEAD_DIM>::rs<1>(dk, da[kk], qt_desc + qs + kk * ROWS16);
