@@ -2,8 +2,8 @@
 # One call on the GPU machine: GPU tests, then the benchmarks; prints short tables last.
 #   tools/device_check.sh [--profile] [pytest args...]
 # With a cache artifact in .seedpack/*.tar.gz (built on any machine:
-#   jitattn prewarm cache/gpu-tests.toml --arch 9.0
-#   jitattn cache pack .seedpack/gpu-tests.tar.gz --manifest cache/gpu-tests.toml)
+#   jitattn prewarm cache/gpu-tests.toml cache/gpu-dropin.toml --arch 9.0
+#   jitattn cache pack .seedpack/gpu-tests.tar.gz --manifest cache/gpu-tests.toml --manifest cache/gpu-dropin.toml)
 # it is unpacked here as a read-only seed dir and the tests run strict: JITATTN_DISABLE_JIT=1,
 # zero compiles (a prebuilt cache root copied to .seed/ works the same way). Without either,
 # kernels are compiled here on first use. --profile adds the host
@@ -44,14 +44,27 @@ if [ $profile = 1 ]; then
     grep -E "decode_chunk|Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy|Theoretical Occupancy|Stall|Warp Cycles Per Issued|Registers" "$OUT/ncu.log" | head -60
   fi
 fi
-# BENCH: decode (default), varlen, all or 0; BENCH_ARGS go to each benchmark (e.g. --quick).
+# BENCH: a comma list of decode (default), varlen, backward, host, transformers, or all, or 0;
+# BENCH_ARGS go to the decode and varlen benchmarks (e.g. --quick).
+#   host: host time per tiny decode call beside SDPA, and the first call in a new process
+#   backward: the varlen backward rows (the shapes, peers, deterministic, skewed)
+#   transformers: tokens/s of a generation and a training step beside sdpa
 bench=${BENCH:-decode}
-case "$bench" in decode|all|1)
+wants() { [[ ",$bench," == *",$1,"* || ",$bench," == *",all,"* || ($1 == decode && $bench == 1) ]]; }
+if wants decode; then
   python3 tools/bench_decode.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
   # The floor under every event-timed row (launch gap behind the start event, dependent release)
   # and what streaming each acceptance row's bytes alone costs.
   floor_bin=$(mktemp /tmp/event_floor-XXXX)  # not under $OUT: only logs come back
-  nvcc -O2 -arch=native tools/event_floor.cu -o "$floor_bin" && "$floor_bin" | tee -a "$OUT/bench.log" ;;
-esac
-case "$bench" in varlen|all) python3 tools/bench_varlen.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_varlen.log" ;; esac
+  nvcc -O2 -arch=native tools/event_floor.cu -o "$floor_bin" && "$floor_bin" | tee -a "$OUT/bench.log"
+fi
+wants varlen && python3 tools/bench_varlen.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_varlen.log"
+if wants host; then
+  python3 tools/bench_decode.py --host-only 2>&1 | tee "$OUT/host.log"
+  python3 -m compileall -q jitattn >/dev/null  # .pyc, as an installed package has them
+  python3 tools/first_call.py --runs 3 --modes decode,breakdown,varlen 2>&1 | tee "$OUT/first_call.log"
+fi
+wants backward && python3 tools/bench_varlen.py --quick --parts backward --bwd-variants mma det peers skewed 2>&1 \
+  | tee "$OUT/bench_backward.log"
+wants transformers && python3 tools/bench_transformers.py --layers 2 --new 32 2>&1 | tee "$OUT/bench_transformers.log"
 exit $status
