@@ -165,6 +165,7 @@ def test_decode_split_paths_agree_bitwise_across_calls_streams_and_graphs(use_te
 def test_decode_runs_on_the_current_stream():
     q, k, v = make_inputs(32, 32, 8192, 128, torch.float16, "NHD", seed=13)
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the inputs were made on the default stream
     with torch.cuda.stream(stream):
         out = jitattn.single_decode_with_kv_cache(q, k, v)
     stream.synchronize()
