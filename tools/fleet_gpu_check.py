@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.redis_server import RedisServer  # noqa: E402
 SECRET = "fleet-gpu-check-secret-0123456789"
 
 CHILD = r"""
@@ -50,11 +51,6 @@ print(json.dumps({"pid": os.getpid(), "compiles": loader.COMPILE_COUNT, "pulls":
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def main() -> int:
     parser = argparse.ArgumentParser()
@@ -66,14 +62,11 @@ def main() -> int:
         sys.exit("no redis-server (apt-get install redis-server, or --redis-server PATH)")
     with tempfile.TemporaryDirectory(prefix="jitattn-fleet-gpu-") as tmp:
         tmp = Path(tmp)
-        port = free_port()
-        server = subprocess.Popen([args.redis_server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                   "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
+        server = RedisServer(args.redis_server, tmp / "redis").start()  # the test suite's throwaway server
         try:
             base = {k: v for k, v in os.environ.items() if not k.startswith("JITATTN_")}
             base.update(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                        JITATTN_REMOTE_CACHE=f"redis://127.0.0.1:{port}/0", JITATTN_REMOTE_CACHE_KEY=SECRET,
+                        JITATTN_REMOTE_CACHE=server.url, JITATTN_REMOTE_CACHE_KEY=SECRET,
                         JITATTN_VERBOSE="1")
             procs = []
             for i in range(args.procs):
@@ -118,8 +111,7 @@ def main() -> int:
                   f"rel err {s['rel_err']:.2e}")
             return 0 if compiles == 1 and good == args.procs and strict_ok else 1
         finally:
-            server.terminate()
-            server.wait(timeout=10)
+            server.kill()
 
 
 if __name__ == "__main__":

@@ -20,15 +20,15 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.redis_server import RedisServer  # noqa: E402
 SECRET = "remote-warm-tool-secret-0123456789"
 
 BUILD = """
@@ -74,11 +74,6 @@ print(json.dumps({"first_ms": (t1 - t0) * 1e3, "per_call_us": (t3 - t2) / calls 
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run(code: str, env: dict, *args: str) -> dict:
     out = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=600)
@@ -99,22 +94,14 @@ def main() -> None:
         sys.exit("no redis-server (apt-get install redis-server, or --redis-server PATH)")
     with tempfile.TemporaryDirectory(prefix="jitattn-remote-warm-") as tmp:
         tmp = Path(tmp)
-        port = free_port()
-        server = subprocess.Popen([args.redis_server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                   "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
+        server = RedisServer(args.redis_server, tmp / "redis").start()  # the test suite's throwaway server
         try:
             base = {k: v for k, v in os.environ.items() if not k.startswith("JITATTN_")}
             base.update(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                         JITATTN_CUDA_ARCH_LIST=args.arch,
-                        JITATTN_REMOTE_CACHE=f"redis://127.0.0.1:{port}/0", JITATTN_REMOTE_CACHE_KEY=SECRET)
-            for _ in range(200):  # wait for the server (bounded: 10 s)
-                with socket.socket() as s:
-                    if s.connect_ex(("127.0.0.1", port)) == 0:
-                        break
-                time.sleep(0.05)
+                        JITATTN_REMOTE_CACHE=server.url, JITATTN_REMOTE_CACHE_KEY=SECRET)
             built = run(BUILD, {**base, "JITATTN_CACHE_DIR": str(tmp / "a")})
-            print(f"built into root A (compiled={built['compiled']}) and published to redis://127.0.0.1:{port}/0")
+            print(f"built into root A (compiled={built['compiled']}) and published to {server.url}")
             rows: dict[str, list[dict]] = {"local": [], "pull": [], "after": []}
             for i in range(args.rounds):
                 calls = str(args.calls)
@@ -137,8 +124,7 @@ def main() -> None:
                       f"  per call {statistics.median(per):6.3f} us ({min(per):.3f}-{max(per):.3f})"
                       f"  pulls {pulls}, compiles {compiles}, imported redis in {redis}/{args.rounds}")
         finally:
-            server.terminate()
-            server.wait(timeout=10)
+            server.kill()
 
 
 if __name__ == "__main__":
