@@ -135,7 +135,7 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
                    help=f"decode k/v dtype (default: = q): {', '.join(dtypes)}")
     g.add_argument("--group-size", nargs="+", metavar="G", help="decode: num_qo_heads // num_kv_heads")
     g.add_argument("--pos-encoding", nargs="+", metavar="MODE", help="decode: NONE, ROPE_LLAMA, ALIBI")
-    for flag, what in (("soft-cap", "decode: logits soft cap"), ("tensor-cores", "decode: ask for tensor cores"),
+    for flag, what in (("soft-cap", "decode, varlen, varlen_backward: logit soft cap"), ("tensor-cores", "decode: ask for tensor cores"),
                        ("paged", "varlen: paged KV (default both)"),
                        ("decode", "varlen: the decode tile shape (default both)"),
                        ("wgmma", "varlen: the sm_90 wgmma prefill rung (default: where the archs run it)")):

@@ -94,6 +94,7 @@ def varlen_attn_reference(
     enable_gqa: bool = False,
     seqused_k: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
+    softcap: float | None = None,
     compute_dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [T_q, H_q, D] in compute_dtype, lse [H_q, T_q] natural log) for shared/spec/varlen.md.
@@ -105,6 +106,7 @@ def varlen_attn_reference(
     Query head h uses kv head h // (H_q // H_kv). Windows are bottom-right aligned: row r may
     attend c iff (left < 0 or c >= r + Lk - Lq - left) and (right < 0 or c <= r + Lk - Lq + right).
     Rows with no key to attend, and query rows past cu_seq_q[-1], output zeros and lse = -inf.
+    softcap (None or 0: none): logits softcap * tanh(scale * q.k / softcap) before the mask.
     max_q / max_k and enable_gqa are accepted for signature parity and not used.
     """
     del max_q, max_k, enable_gqa
@@ -137,6 +139,8 @@ def varlen_attn_reference(
         kd = k.to(device=device, dtype=compute_dtype).repeat_interleave(group, dim=1)  # [Lk, H_q, D]
         vd = v.to(device=device, dtype=compute_dtype).repeat_interleave(group, dim=1)
         logits = torch.einsum("qhd,khd->hqk", qd, kd) * scale  # [H_q, Lq, Lk]
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
         r = torch.arange(len_q, device=device)[:, None]
         col = torch.arange(len_k, device=device)[None, :]
         allowed = torch.ones(len_q, len_k, dtype=torch.bool, device=device)

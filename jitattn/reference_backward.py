@@ -6,6 +6,7 @@ For sequence i (query rows q0:q0+Lq, keys k0:k0+Lk, Lk = seqused_k[i] if given),
 its kv head h // (H_q // H_kv), with the window mask of shared/spec/varlen.md (bottom-right aligned):
 
     P  = exp(scale * Q K^T - lse)             (0 where masked, and on rows with lse = -inf)
+    (with a soft cap c: exp(c * tanh(scale * Q K^T / c) - lse), and dS below times 1 - tanh^2)
     dV = P^T dO        dP = dO V^T        D = rowsum(dO * O) - dlse
     dS = P * (dP - D)  dQ = scale * dS K  dK = scale * dS^T Q
 
@@ -39,6 +40,7 @@ def varlen_attn_backward(
     *,
     scale: float | None = None,
     window_size=(-1, -1),
+    softcap: float | None = None,
     max_rows: int = MAX_CHUNK_ROWS,
     chunk_elements: int = CHUNK_ELEMENTS,
     compute_dtype: torch.dtype = torch.float32,
@@ -47,7 +49,8 @@ def varlen_attn_backward(
     varlen_attn's checks (unpaged). lse (H_q, T_q) natural log as the forward returned it; None
     or (0, T_q) recomputes it from the logits. grad_lse None or (0, T_q) means no lse gradient.
     Query rows outside every sequence, key/value rows outside every sequence or past
-    seqused_k[i], and rows with no visible key get zero gradient. Runs on any device, in
+    seqused_k[i], and rows with no visible key get zero gradient. softcap (None or 0: none): the
+    forward's logits softcap * tanh(scale * q.k / softcap). Runs on any device, in
     compute_dtype (float64: the GPU tests' oracle for sequences too long for autograd)."""
     _, heads_q, head_dim = query.shape
     heads_kv = key.shape[1]
@@ -96,6 +99,10 @@ def varlen_attn_backward(
             q = heads_first(query, rows)  # (H_kv, group*n, D)
             kc, vc = k[:, c0:c1], v[:, c0:c1]
             s = torch.matmul(q, kc.transpose(1, 2)).mul_(scale).view(heads_kv, group, n, m)
+            if softcap:  # s = softcap * tanh(x / softcap); ds/dx = 1 - tanh^2 (`slope`)
+                th = s.div_(softcap).tanh_()
+                slope = (1 - th * th).view(heads_kv, group * n, m)
+                s = th.mul(softcap)
             partial = (left >= 0 and c0 < r1 - 1 + offset - left) or (right >= 0 and c1 - 1 > r0 + offset + right)
             if partial:
                 r = torch.arange(r0, r1, device=device)[:, None] + offset
@@ -116,6 +123,8 @@ def varlen_attn_backward(
                 d -= row_stat(grad_lse, rows).reshape(heads_kv, -1)
             dv_acc[:, c0:c1].baddbmm_(p.transpose(1, 2), do)
             ds = torch.matmul(do, vc.transpose(1, 2)).sub_(d[..., None]).mul_(p)  # (H_kv, group*n, m)
+            if softcap:
+                ds.mul_(slope)
             dk_acc[:, c0:c1].baddbmm_(ds.transpose(1, 2), q, alpha=scale)
             dq_chunk = torch.matmul(ds, kc).mul_(scale)  # (H_kv, group*n, D)
             dq[rows] = dq_chunk.view(heads_q, n, head_dim).transpose(0, 1).to(dq.dtype)

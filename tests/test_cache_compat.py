@@ -5,6 +5,7 @@ parameters, never module paths (CPU; no compiler needed).
 jitattn/decode and jitattn/varlen (`jitattn prewarm --head-dim 64 --dtype float16 --group-size 1
 --arch 9.0`, a varlen bf16 head_dim 64 prefill spec, then `jitattn cache pack`).
 """
+import dataclasses
 import json
 import os
 import subprocess
@@ -39,11 +40,20 @@ def templates_unchanged(entry: cache.CacheEntry, spec) -> bool:
     return render.spec_template_digest(spec) == entry.components["templates"]
 
 
+def added_fields(entry: cache.CacheEntry, spec) -> dict:
+    """Spec fields the family gained since 865b607 (each at its default: the old kernel)."""
+    return {k: v for k, v in spec.to_dict().items() if k not in entry.components["spec"]}
+
+
 def test_an_old_entry_has_the_key_this_jitattn_computes_for_its_spec(seed):
     for entry in packed_entries(seed):
         parts = entry.components
         spec = spec_from_dict(parts["spec"])
-        assert spec.to_dict() == parts["spec"] and spec.name == entry.manifest["name"]
+        added = added_fields(entry, spec)
+        assert {k: v for k, v in spec.to_dict().items() if k not in added} == parts["spec"]
+        assert spec.name == entry.manifest["name"]
+        defaults = {f.name: f.default for f in dataclasses.fields(spec)}
+        assert added == {k: defaults[k] for k in added}, "a field added since must default to the old kernel"
         target = keys.BuildTarget(parts["archs"], parts["nvcc"], parts["host_cxx"])
         assert tuple(parts["archs"]) == spec.archs_for(("9.0",))
         ours = keys.components(spec, target)
@@ -51,6 +61,8 @@ def test_an_old_entry_has_the_key_this_jitattn_computes_for_its_spec(seed):
             # The family's templates changed since 865b607 (a new kernel): its key must change
             # with them, and every other component must still be computed the same way.
             ours["templates"] = parts["templates"]
+        if added:  # so must it with new spec fields (varlen's soft_cap)
+            ours["spec"] = parts["spec"]
         assert ours == parts
         assert keys.key_of(ours) == entry.key
 
@@ -72,7 +84,8 @@ print(json.dumps({"compiles": loader.COMPILE_COUNT, "results": results}))
 
 
 def test_a_strict_process_serves_old_entries_from_a_seed_dir_without_compiling(seed, tmp_path):
-    entries = [e for e in packed_entries(seed) if templates_unchanged(e, spec_from_dict(e.components["spec"]))]
+    entries = [e for e in packed_entries(seed) if templates_unchanged(e, spec_from_dict(e.components["spec"]))
+               and not added_fields(e, spec_from_dict(e.components["spec"]))]
     if not entries:
         pytest.skip("every packed family's templates changed since 865b607 (the key test above covers the move)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("JITATTN_")}

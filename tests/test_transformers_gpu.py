@@ -1,4 +1,5 @@
-"""GPU: small random-weight Llama, Mistral (sliding window) and Gemma-2 models with
+"""GPU: small random-weight Llama, Mistral (sliding window) and Gemma-2 (with and without its logit
+soft cap, set to 2 here so that it bites) models with
 attn_implementation="jitattn" against transformers' own sdpa (and eager for Gemma-2), in bfloat16,
 each judged against the same weights in float32 (sdpa): logits with padding, greedy generation with
 the KV cache, one training step's loss and gradients, packed (DataCollatorWithFlattening) against
@@ -27,9 +28,9 @@ def dry_run(monkeypatch):
     from jitattn.reference import varlen_attn_reference
 
     def standin(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False,
-                seqused_k=None):
+                seqused_k=None, softcap=None):
         out, _ = varlen_attn_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
-                                       seqused_k=seqused_k)
+                                       seqused_k=seqused_k, softcap=softcap)
         return out.to(q.dtype)
 
     monkeypatch.setattr(jt, "_varlen_attn", standin)
@@ -43,16 +44,20 @@ def config(name, **kw):
         return transformers.LlamaConfig(**common, **kw)
     if name == "mistral":
         return transformers.MistralConfig(**common, sliding_window=16, **kw)
-    kw.setdefault("attn_logit_softcapping", None)
+    kw.setdefault("attn_logit_softcapping", SOFT_CAP if name == "gemma2-softcap" else None)
     return transformers.Gemma2Config(**common, head_dim=64, sliding_window=16, query_pre_attn_scalar=80,
                                      final_logit_softcapping=None, **kw)
 
 
-NAMES = ["llama", "mistral", "gemma2"]
+SOFT_CAP = 2.0  # Gemma-2's is 50; at 2 every logit of these small models is visibly capped
+NAMES = ["llama", "mistral", "gemma2", "gemma2-softcap"]
 
 
 def supports(name, impl) -> bool:
-    """Whether this transformers has `impl` for the architecture (5.24 dropped sdpa for Gemma-2)."""
+    """Whether this transformers has `impl` for the architecture (5.24 dropped sdpa for Gemma-2).
+    transformers' sdpa has no logit soft cap (it drops the argument): only eager computes it."""
+    if impl == "sdpa" and name == "gemma2-softcap":
+        return False
     try:
         transformers.AutoModelForCausalLM.from_config(config(name), attn_implementation=impl)
     except ValueError as exc:
@@ -96,7 +101,7 @@ def rel(a, b):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_with_padding_are_as_close_to_float32_as_sdpa(name):
-    peers = ("sdpa", "eager") if name == "gemma2" else ("sdpa",)
+    peers = ("sdpa", "eager") if name.startswith("gemma2") else ("sdpa",)
     ms = models(name, peers)
     ids, mask = prompts()
     valid = mask.bool()
@@ -194,9 +199,17 @@ def test_packed_logits_equal_the_unpacked_ones(name):
     assert rel(flat, unpacked) < 1e-2, f"{name}: packed {rel(flat, unpacked):.2e} away from unpacked"
 
 
-def test_gemma2_soft_cap_is_refused_on_the_gpu_too():
-    jt.register()
-    model = transformers.AutoModelForCausalLM.from_config(config("gemma2", attn_logit_softcapping=50.0),
-                                                          attn_implementation="jitattn").to(DEVICE, BF16)
-    with pytest.raises(ValueError, match="softcap=50.0"):
-        model(torch.randint(1, 256, (1, 8), device=DEVICE))
+
+def test_the_soft_cap_reaches_the_kernels():
+    """The soft-capped model's logits are its float32 eager twin's, and far from the uncapped
+    model's with the same weights: the cap is computed, not dropped."""
+    capped, plain = models("gemma2-softcap", peers=()), models("gemma2", peers=())
+    ids, mask = prompts(seed=5)
+    valid = mask.bool()
+    with torch.no_grad():
+        ours = capped["jitattn"](ids, attention_mask=mask).logits[valid]
+        want = capped["fp32"](ids, attention_mask=mask).logits[valid]
+        uncapped = plain["jitattn"](ids, attention_mask=mask).logits[valid]
+    err, moved = rel(ours, want), rel(uncapped, want)
+    print(f"\ngemma2 soft cap {SOFT_CAP}: jitattn {err:.2e} from float32 eager; the uncapped model {moved:.2e}")
+    assert moved > 10 * err, f"soft cap: capped {err:.2e} vs uncapped {moved:.2e} from float32"

@@ -1,7 +1,7 @@
 """jitattn as a transformers attention implementation, on the CPU (runs in CI, which installs
 transformers with the test extra): registration, how each call's arguments map onto varlen_attn,
-the refusals, and whole small models (Llama, Mistral with a sliding window, Gemma-2 without its
-soft cap) against transformers' own sdpa in float32: logits with padding, greedy generation with
+the refusals, and whole small models (Llama, Mistral with a sliding window, Gemma-2 with and
+without its logit soft cap) against transformers' own sdpa in float32: logits with padding, greedy generation with
 the KV cache, a training step packed (DataCollatorWithFlattening) against unpacked.
 
 varlen_attn needs a GPU, so here the integration's one call into jitattn
@@ -28,14 +28,15 @@ def calls(monkeypatch):
     recorded = []
 
     def standin(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False,
-                seqused_k=None):
+                seqused_k=None, softcap=None):
         recorded.append(dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k, scale=scale,
-                             window=tuple(window_size), enable_gqa=enable_gqa, seqused_k=seqused_k))
+                             window=tuple(window_size), enable_gqa=enable_gqa, seqused_k=seqused_k, softcap=softcap))
         half = [t.detach().to(BF16) for t in (q, k, v)]
         check_varlen_args(*half, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
-                          enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=None, num_splits=None)
+                          enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=None, num_splits=None,
+                          softcap=softcap)
         out, _ = varlen_attn_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
-                                       seqused_k=seqused_k)
+                                       seqused_k=seqused_k, softcap=softcap)
         return out.to(q.dtype)
 
     monkeypatch.setattr(jt, "_varlen_attn", standin)
@@ -182,8 +183,6 @@ def test_packed_sequences_from_flash_kwargs_and_from_position_ids(calls):
 
 def test_refusals_name_what_cannot_be_expressed(calls):
     q, k, v = qkv()
-    with pytest.raises(ValueError, match=r"softcap=50\.0.*attn_logit_softcapping"):
-        jt.attention_forward(Attn(), q, k, v, None, softcap=50.0)
     with pytest.raises(ValueError, match=r"dropout=0\.1"):
         jt.attention_forward(Attn(), q, k, v, None, dropout=0.1)
     with pytest.raises(ValueError, match=r"s_aux"):
@@ -229,12 +228,21 @@ def gemma2_config(**kw):
                                      final_logit_softcapping=None, initializer_range=0.2, pad_token_id=0, **kw)
 
 
-CONFIGS = {"llama": llama_config, "mistral": mistral_config, "gemma2": gemma2_config}
+def gemma2_softcap_config(**kw):
+    kw.setdefault("attn_logit_softcapping", 2.0)  # Gemma-2's is 50; at 2 the cap bites on these small models
+    return gemma2_config(**kw)
+
+
+CONFIGS = {"llama": llama_config, "mistral": mistral_config, "gemma2": gemma2_config,
+           "gemma2-softcap": gemma2_softcap_config}
 
 
 def reference_implementation(name: str) -> str:
     """transformers' own implementation to compare with: sdpa, or eager where a transformers
-    release dropped sdpa for the architecture (Gemma-2 in 5.24)."""
+    release dropped sdpa for the architecture (Gemma-2 in 5.24), and where a soft cap is on (sdpa
+    drops it)."""
+    if name == "gemma2-softcap":
+        return "eager"
     try:
         transformers.AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation="sdpa")
     except ValueError as exc:
@@ -273,6 +281,7 @@ def test_logits_with_padding_match_sdpa(calls, name):
     valid = mask.bool()
     torch.testing.assert_close(got[valid], want[valid], rtol=1e-4, atol=1e-4)
     assert any(c["window"][0] == 5 for c in calls) == (name != "llama")  # the sliding window reached varlen
+    assert {c["softcap"] for c in calls} == ({2.0} if name == "gemma2-softcap" else {None})  # and the soft cap
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -313,8 +322,15 @@ def test_a_packed_training_step_matches_unpacked_sdpa(calls, name):
     assert calls[-1]["cu_q"].tolist() == [0, 9, 14, 26] and calls[-1]["q"].requires_grad
 
 
-def test_gemma2_soft_cap_is_refused_naming_it(calls):
-    model = transformers.AutoModelForCausalLM.from_config(gemma2_config(attn_logit_softcapping=50.0),
-                                                          attn_implementation="jitattn")
-    with pytest.raises(ValueError, match="softcap=50.0"):
-        model(torch.randint(1, 100, (1, 5)))
+def test_softcap_maps_to_varlen_softcap(calls):
+    q, k, v = qkv()
+    out, _ = jt.attention_forward(Attn(), q, k, v, None, softcap=1.5)
+    assert calls[-1]["softcap"] == 1.5
+    # Gemma-2's eager formula in float64: causal, GQA, logits 1.5 * tanh(q.k / sqrt(32) / 1.5).
+    kk, vv = (t.repeat_interleave(2, 1).double() for t in (k, v))
+    logits = 1.5 * torch.tanh(q.double() @ kk.transpose(-1, -2) / 32**0.5 / 1.5)
+    logits = logits.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+    want = (logits.softmax(-1) @ vv).transpose(1, 2)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5)
+    uncapped, _ = jt.attention_forward(Attn(), q, k, v, None)
+    assert (uncapped - out).abs().max() > 1e-2  # the cap changed the result

@@ -51,10 +51,11 @@ def make(len_q, len_k, h_q, h_kv, d, *, seed=0, used=None, slack=3, tail=2, dtyp
     return q, k, v, cu_q, cu_k, seqused
 
 
-def reference_grads(q, k, v, cu_q, cu_k, seqused, window, *, scale=None, with_lse=False, seed=1):
+def reference_grads(q, k, v, cu_q, cu_k, seqused, window, *, scale=None, with_lse=False, seed=1, softcap=None):
     """(out, lse, grad_out, grad_lse, (dq, dk, dv)) by autograd through the float64 reference."""
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    out, lse = varlen_attn_reference(*leaves, cu_q, cu_k, 0, 0, scale=scale, window_size=window, seqused_k=seqused)
+    out, lse = varlen_attn_reference(*leaves, cu_q, cu_k, 0, 0, scale=scale, window_size=window, seqused_k=seqused,
+                                     softcap=softcap)
     g = torch.Generator().manual_seed(seed)
     grad_out = torch.randn(out.shape, generator=g, dtype=F64)
     loss = (out * grad_out).sum()
@@ -107,6 +108,26 @@ def test_backward_math_matches_float64_autograd(name, lse_given):
     got = varlen_attn_backward(grad_out.float(), None, q, k, v, out.float(), lse.float() if lse_given else None,
                                cu_q, cu_k, seqused, window_size=window)
     check_grads(got, want, 1e-5, f"{name} window={window}", lse)
+
+
+@pytest.mark.parametrize("name", ["full", "causal", "general", "gqa8-general", "empty", "seqused_k"])
+def test_soft_cap_backward_matches_float64_autograd(name):
+    """Logits softcap * tanh(scale * s / softcap): dS takes the slope 1 - tanh^2; with grad_lse
+    too, and at a cap small enough to bite (the uncapped gradients are far away)."""
+    len_q, len_k, h_q, h_kv, window, used = CASES[name]
+    q, k, v, cu_q, cu_k, seqused = make(len_q, len_k, h_q, h_kv, 16, used=used, seed=13)
+    q = q * 3  # logits of a few units: the cap of 1.5 saturates many of them
+    out, lse, grad_out, grad_lse, want = reference_grads(q, k, v, cu_q, cu_k, seqused, window, with_lse=True,
+                                                         softcap=1.5)
+    for lse_given in (lse.float(), None):
+        got = varlen_attn_backward(grad_out.float(), grad_lse.float(), q, k, v, out.float(), lse_given, cu_q, cu_k,
+                                   seqused, window_size=window, softcap=1.5)
+        check_grads(got, want, 1e-5, f"{name} soft cap, lse {'given' if lse_given is not None else 'recomputed'}",
+                    lse)
+    uncapped = varlen_attn_backward(grad_out.float(), grad_lse.float(), q, k, v, out.float(), lse.float(), cu_q,
+                                    cu_k, seqused, window_size=window)
+    if name != "empty":
+        assert rel_error(uncapped[0], want[0]) > 0.1, "the soft cap must change dq"
 
 
 @pytest.mark.parametrize("name", ["causal", "general", "gqa8-general", "empty"])
@@ -171,15 +192,16 @@ def test_backward_op_opcheck(standin):
     args = (grad_out.float(), grad_lse.float(), q, k, v, out.float(), lse.float(), cu_q, cu_k, seqused, None, [4, 1])
     torch.library.opcheck(torch.ops.jitattn.varlen_attn_backward.default, args)
     torch.library.opcheck(torch.ops.jitattn.varlen_attn_backward.default, args + (9, 9))
+    torch.library.opcheck(torch.ops.jitattn.varlen_attn_backward.default, args + (9, 9, 2.5))
 
 
 # ---------------------------------------------------------------- autograd wiring, with a stand-in forward
 def standin_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa,
-                    seqused_k, block_table, num_splits, return_aux, out=None):
+                    seqused_k, block_table, num_splits, return_aux, out=None, softcap=None):
     """jitattn.varlen.forward.forward's contract, computed by the reference (any device)."""
     o, lse = varlen_attn_reference(query.detach(), key.detach(), value.detach(), cu_seq_q, cu_seq_k, max_q, max_k,
                                    scale=scale, window_size=window_size, seqused_k=seqused_k,
-                                   block_table=block_table)
+                                   block_table=block_table, softcap=softcap)
     standin_forward.calls.append(return_aux)
     o = o.to(query.dtype)
     if out is not None:
@@ -191,11 +213,11 @@ def standin_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scal
 
 
 def standin_backward(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k=None, *,
-                     scale=None, window_size=(-1, -1), max_q=None, max_k=None, deterministic=None):
+                     scale=None, window_size=(-1, -1), max_q=None, max_k=None, deterministic=None, softcap=None):
     """jitattn.varlen.backward_launch.backward's contract, computed by the oracle (any device)."""
-    standin_backward.calls.append({"max_q": max_q, "max_k": max_k})
+    standin_backward.calls.append({"max_q": max_q, "max_k": max_k, **({"softcap": softcap} if softcap else {})})
     return varlen_attn_backward(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k,
-                                scale=scale, window_size=window_size)
+                                scale=scale, window_size=window_size, softcap=softcap)
 
 
 @pytest.fixture
@@ -237,6 +259,18 @@ def test_varlen_attn_is_differentiable(standin, want_lse):
     check_grads((lq.grad, lk.grad, lv.grad), want, 1e-2, f"varlen_attn autograd lse={want_lse}", ref_lse)
     # The backward sizes its grid from the forward's max_q / max_k: no host sync.
     assert standin_backward.calls == [{"max_q": 11, "max_k": 9}]
+
+
+def test_soft_capped_varlen_attn_is_differentiable(standin):
+    """softcap reaches the forward and the backward (through the op's autograd formula)."""
+    q, k, v, cu_q, cu_k, _ = make([6, 0, 11], [9, 3, 4], 4, 2, 64, dtype=F16, seed=12)
+    q = q * 3
+    _, ref_lse, grad_out, _, want = reference_grads(q, k, v, cu_q, cu_k, None, (-1, 0), softcap=2.0)
+    lq, lk, lv = leaves(q, k, v)
+    out = jitattn.varlen_attn(lq, lk, lv, cu_q, cu_k, 11, 9, window_size=(-1, 0), enable_gqa=True, softcap=2.0)
+    out.backward(grad_out.to(F16))
+    check_grads((lq.grad, lk.grad, lv.grad), want, 1e-2, "soft cap autograd", ref_lse)
+    assert standin_backward.calls == [{"max_q": 11, "max_k": 9, "softcap": 2.0}]
 
 
 def test_no_grad_calls_skip_the_op_and_the_lse(standin):
@@ -285,6 +319,7 @@ def test_opcheck_with_requires_grad(standin):
     for window, return_lse in (([-1, 0], True), ([4, 2], False)):
         args = (lq, lk, lv, cu_q, cu_k, 13, 20, None, window, True, None, None, None, return_lse)
         torch.library.opcheck(torch.ops.jitattn.varlen_attn.default, args)
+        torch.library.opcheck(torch.ops.jitattn.varlen_attn.default, args + (3.0,))  # softcap
 
 
 # ---------------------------------------------------------------- calls that refuse grad

@@ -60,17 +60,18 @@ def _standins_on_cpu(monkeypatch):
     from jitattn.varlen import ops as varlen_ops
 
     def forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa, seqused_k,
-                block_table, num_splits, return_aux, out=None):
+                block_table, num_splits, return_aux, out=None, softcap=None):
         o, lse = varlen_attn_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                                       window_size=window_size, seqused_k=seqused_k, block_table=block_table)
+                                       window_size=window_size, seqused_k=seqused_k, block_table=block_table,
+                                       softcap=softcap)
         if return_aux is None or not return_aux.lse:
             lse = lse[:0]
         return o.to(query.dtype), lse.float()
 
     def backward(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k=None, *, scale=None,
-                 window_size=(-1, -1), max_q=None, max_k=None, deterministic=None):
+                 window_size=(-1, -1), max_q=None, max_k=None, deterministic=None, softcap=None):
         return closed_form_backward(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k,
-                                    scale=scale, window_size=window_size)
+                                    scale=scale, window_size=window_size, softcap=softcap)
 
     monkeypatch.setattr(varlen_api, "forward", forward)
     monkeypatch.setattr(varlen_ops, "forward", forward)
@@ -123,12 +124,14 @@ def poison_for_backward(b: Batch) -> None:
     poison_allocator(max(1, t_q * h_q * (d + 2) * 4), count=4)
 
 
-def run_backward(b: Batch, window, grad_out, *, scale=None, grad_lse=None, num_splits=None):
+def run_backward(b: Batch, window, grad_out, *, scale=None, grad_lse=None, num_splits=None, softcap=None):
     """jitattn.varlen_attn forward + backward -> (dq, dk, dv)."""
     q, k, v = leaves(b)
     kw = b.kwargs()
     if scale is not None:
         kw["scale"] = scale
+    if softcap is not None:
+        kw["softcap"] = softcap
     if num_splits is not None:
         kw["num_splits"] = num_splits
     aux = jitattn.AuxRequest(lse=True) if grad_lse is not None else None
@@ -143,25 +146,26 @@ def run_backward(b: Batch, window, grad_out, *, scale=None, grad_lse=None, num_s
     return q.grad, k.grad, v.grad
 
 
-def oracle(b: Batch, window, grad_out, *, scale=None, grad_lse=None):
+def oracle(b: Batch, window, grad_out, *, scale=None, grad_lse=None, softcap=None):
     """Float64 (lse, (dq, dk, dv)): autograd through the reference when its logits fit
     AUTOGRAD_BUDGET, else the closed form on float64 inputs."""
     work = sum(lq * lk for lq, lk in zip(b.len_q, b.len_k)) * b.query.shape[1]
     if work <= AUTOGRAD_BUDGET:
         q, k, v = leaves(b, F64)
         out, lse = varlen_attn_reference(q, k, v, b.cu_seq_q, b.cu_seq_k, b.max_q, b.max_k, scale=scale,
-                                         window_size=window, enable_gqa=b.enable_gqa, seqused_k=b.seqused_k)
+                                         window_size=window, enable_gqa=b.enable_gqa, seqused_k=b.seqused_k,
+                                         softcap=softcap)
         loss = (out * grad_out.double()).sum()
         if grad_lse is not None:
             loss = loss + torch.where(torch.isfinite(lse), lse, 0.0).mul(grad_lse.double()).sum()
         if loss.requires_grad:  # not when no query sees any key
             loss.backward()
         return lse.detach(), tuple(torch.zeros_like(t) if t.grad is None else t.grad for t in (q, k, v))
-    out, lse = reference(b, window, scale=scale)  # float64, a few heads at a time
+    out, lse = reference(b, window, scale=scale, softcap=softcap)  # float64, a few heads at a time
     q, k, v = (t.double() for t in (b.query, b.key, b.value))
     grads = closed_form_backward(grad_out.double(), None if grad_lse is None else grad_lse.double(), q, k, v, out,
                                  lse, b.cu_seq_q, b.cu_seq_k, b.seqused_k, scale=scale, window_size=window,
-                                 compute_dtype=F64)
+                                 softcap=softcap, compute_dtype=F64)
     return lse, grads
 
 
@@ -197,11 +201,11 @@ def check_grads(b: Batch, got, ref, what) -> dict:
     return errors
 
 
-def check_case(b: Batch, window, what, seed=0, scale=None, with_lse=False, **kw) -> dict:
+def check_case(b: Batch, window, what, seed=0, scale=None, with_lse=False, softcap=None, **kw) -> dict:
     grad_out = grad_out_for(b, seed)
     grad_lse = grad_lse_for(b, seed) if with_lse else None
-    got = run_backward(b, window, grad_out, scale=scale, grad_lse=grad_lse, **kw)
-    return check_grads(b, got, oracle(b, window, grad_out, scale=scale, grad_lse=grad_lse), what)
+    got = run_backward(b, window, grad_out, scale=scale, grad_lse=grad_lse, softcap=softcap, **kw)
+    return check_grads(b, got, oracle(b, window, grad_out, scale=scale, grad_lse=grad_lse, softcap=softcap), what)
 
 
 # ---------------------------------------------------------------- >= 200 seeded random configurations
@@ -288,6 +292,23 @@ def test_gradients_match_reference(window, dtype, head_dim, rung):
 def test_gqa_gradients_sum_over_the_group(window, group, rung):
     b = make_batch(LEN_Q, LEN_K, 2 * group, 2, 128, BF16, seed=5 + group)
     check_case(b, WINDOWS[window], f"gqa{group} {window}")
+
+
+SOFT_CAP = 1.5  # logits of these inputs are ~N(0, 1) (scale 1/sqrt(D)): the cap bends most of them
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("window", ["causal", "general", "full"])
+def test_soft_cap_gradients_match_reference(window, dtype, head_dim, rung):
+    """Logits cap * tanh(scale * s / cap) (Gemma-2): GQA 4, with an lse gradient; the uncapped
+    oracle is far from what the kernels compute (the cap is not dropped)."""
+    b = make_batch(LEN_Q, LEN_K, 8, 2, head_dim, dtype, seed=40 + head_dim)
+    grad_out, grad_lse = grad_out_for(b, 4), grad_lse_for(b, 4)
+    got = run_backward(b, WINDOWS[window], grad_out, grad_lse=grad_lse, softcap=SOFT_CAP)
+    check_grads(b, got, oracle(b, WINDOWS[window], grad_out, grad_lse=grad_lse, softcap=SOFT_CAP), f"softcap {window}")
+    _, uncapped = oracle(b, WINDOWS[window], grad_out, grad_lse=grad_lse)
+    assert rel_error(got[0], uncapped[0]) > 10 * REL_TOL[dtype], "soft cap: dq is the uncapped one"
 
 
 def test_one_visible_key_gives_zero_dq_and_dk_and_dv_equal_to_do(rung):

@@ -13,7 +13,7 @@ from jitattn.varlen.spec import VarlenBackwardSpec
 
 F16, BF16, I32 = torch.float16, torch.bfloat16, torch.int32
 NAMES = ("dout", "dlse", "q", "k", "v", "out", "lse", "cu_q", "cu_k", "used", "dq", "dk", "dv", "n_blocks", "left",
-         "right", "scale", "scale_log2", "deterministic")
+         "right", "scale", "scale_log2", "softcap", "deterministic")
 
 
 @pytest.fixture
@@ -119,7 +119,14 @@ def test_scale_window_and_flags_reach_the_kernel(launches):
     assert run["scale"] == 0.25 and run["scale_log2"] == pytest.approx(0.25 * math.log2(math.e))
     _, (_, run), _ = call(launches, window=(-1, -1))
     assert (run["left"], run["right"]) == (-1, -1) and run["scale"] == pytest.approx(1 / math.sqrt(128))
-    assert run["deterministic"] is False
+    assert run["deterministic"] is False and run["softcap"] == 0.0
+
+
+def test_a_soft_cap_takes_the_capped_backward_and_reaches_it(launches):
+    _, (spec, run), _ = call(launches, softcap=50)
+    assert spec.soft_cap is True and run["softcap"] == 50.0
+    _, (spec, run), _ = call(launches, softcap=None)
+    assert spec.soft_cap is False and run["softcap"] == 0.0
 
 
 def test_deterministic_mode_follows_torch(launches):

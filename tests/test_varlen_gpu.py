@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import jitattn
+from tests.gpu_utils import rel_error
 from tests.varlen_utils import DEVICE, TOL, Batch, check, close, cu, make_batch, reference, row_range, run
 
 pytestmark = pytest.mark.gpu
@@ -72,6 +73,34 @@ def test_both_prefill_rungs_match_reference(case, wgmma, monkeypatch):
     serve other GPUs and JITATTN_WGMMA=0. Both, on every 7th skewed case."""
     monkeypatch.setenv("JITATTN_WGMMA", wgmma)
     test_skewed_batch_matches_reference(case)
+
+
+# ---------------------------------------------------------------- logit soft cap
+SOFT_CAP = list(itertools.product(HEAD_DIMS, DTYPES, ["prefill", "decode", "paged-prefill", "paged-decode"]))
+
+
+@pytest.mark.parametrize("wgmma", ["0", "1"])
+@pytest.mark.parametrize("case", range(len(SOFT_CAP)), ids=[f"d{d}-{str(t)[6:]}-{k}" for d, t, k in SOFT_CAP])
+def test_soft_cap_matches_reference(case, wgmma, monkeypatch):
+    """Logits cap * tanh(scale * s / cap) (Gemma-2's soft cap) on every tile shape and rung,
+    with GQA, windows, splits and lse; q is scaled so the logits reach several times the cap
+    (the uncapped result is far away: the cap is computed, not dropped)."""
+    monkeypatch.setenv("JITATTN_WGMMA", wgmma)
+    head_dim, dtype, kind = SOFT_CAP[case]
+    rng = random.Random(300 + case)
+    decode, paged = "decode" in kind, "paged" in kind
+    len_k = [rng.randint(1, 700) for _ in range(6)] + [1500]
+    len_q = [1] * len(len_k) if decode else [min(n, rng.randint(1, 400)) for n in len_k]
+    b = make_batch(len_q, len_k, 16, 2, head_dim, dtype, seed=300 + case, paged=paged, page_size=16,
+                   use_seqused=case % 2 == 0, q_gain=4.0)
+    window = [(-1, 0), (-1, -1), (100, 0), (37, 11)][case % 4]
+    cap = [2.0, 8.0][case % 2]
+    num_splits = [None, 1, 3][case % 3]
+    out, lse = run(b, window=window, num_splits=num_splits, want_lse=True, softcap=cap)
+    check(b, out, lse, reference(b, window, softcap=cap), f"softcap={cap} window={window}")
+    uncapped, _ = reference(b, window)
+    rows = slice(0, sum(b.len_q))
+    assert rel_error(out[rows], uncapped[rows]) > 5 * TOL[dtype][0], "soft cap: the result is the uncapped one"
 
 
 # ---------------------------------------------------------------- zero-length sequences

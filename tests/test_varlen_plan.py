@@ -63,7 +63,7 @@ def launch(launches, **kwargs):
     varlen.forward(**{**defaults, **kwargs})
     spec, args = launches[-1]
     names = ("q", "k", "v", "cu_q", "cu_k", "used", "table", "out", "bad_page", "pack", "m_blocks", "splits",
-             "split_min_tiles", "left", "right", "scale_log2", "want_lse")
+             "split_min_tiles", "left", "right", "scale_log2", "softcap", "want_lse")
     return spec, dict(zip(names, args))
 
 
@@ -157,6 +157,16 @@ def test_scale_window_and_lse_reach_the_kernel(launches):
     assert (run["left"], run["right"], run["want_lse"]) == (7, 3, True)
     _, run = launch(launches, **batch([20], [50], d=64))
     assert run["scale_log2"] == pytest.approx(varlen.LOG2E / 8) and run["want_lse"] is False
+    assert run["softcap"] == 0.0
+
+
+def test_a_soft_cap_takes_the_capped_specialization_and_reaches_the_kernel(launches):
+    spec, run = launch(launches, **batch([20], [50]), softcap=30)
+    assert spec == VarlenSpec(128, "bfloat16", paged=False, decode=False, soft_cap=True)
+    assert run["softcap"] == 30.0 and isinstance(run["softcap"], float)
+    for off in (None, 0, 0.0):
+        spec, run = launch(launches, **batch([20], [50]), softcap=off)
+        assert spec.soft_cap is False and run["softcap"] == 0.0
 
 
 def test_an_out_the_kernel_cannot_write_in_place_gets_the_result_copied_in(launches):

@@ -40,11 +40,11 @@ def module(monkeypatch):
     calls = []
 
     def run(q, k, v, cu_q, cu_k, used, table, out, bad_page, pack, m_blocks, splits, min_tiles, left, right,
-            scale_log2, want_lse):
+            scale_log2, softcap, want_lse):
         calls.append({"out": out, "splits": splits, "split_min_tiles": min_tiles})
         ref, lse = varlen_attn_reference(q, k, v, cu_q, cu_k, 0, 0, scale=scale_log2 / varlen_forward.LOG2E,
                                          window_size=(left, right), enable_gqa=True, seqused_k=used,
-                                         block_table=table)
+                                         block_table=table, softcap=softcap)
         result = torch.empty(q.shape, dtype=q.dtype) if out is None else out
         result.copy_(ref)
         return result, (lse.float() if want_lse else torch.empty(0, q.shape[0]))

@@ -152,6 +152,12 @@ INVALID = [
     ("num-splits-negative", {"num_splits": -1}, ValueError, ["num_splits"]),
     ("num-splits-float", {"num_splits": 2.0}, TypeError, ["num_splits", "int"]),
     ("num-splits-bool", {"num_splits": True}, TypeError, ["num_splits", "int"]),
+    ("softcap-negative", {"softcap": -1.0}, ValueError, ["softcap", "-1.0"]),
+    ("softcap-nan", {"softcap": float("nan")}, ValueError, ["softcap", "nan"]),
+    ("softcap-inf", {"softcap": float("inf")}, ValueError, ["softcap", "inf"]),
+    ("softcap-str", {"softcap": "50"}, TypeError, ["softcap", "str"]),
+    ("softcap-bool", {"softcap": True}, TypeError, ["softcap", "bool"]),
+    ("softcap-tensor", {"softcap": lambda: torch.tensor(50.0)}, TypeError, ["softcap", "Tensor"]),
     # -- out
     ("out-list", {"out": [0.0]}, TypeError, ["out", "torch.Tensor"]),
     ("out-wrong-shape", {"out": t(10, 4, 32)}, ValueError, ["out", "(10, 4, 64)", "(10, 4, 32)"]),
@@ -214,6 +220,9 @@ VALID = [
     ("float-scale", {"scale": 0.125}),
     ("num-splits-1", {"num_splits": 1}),
     ("num-splits-16", {"num_splits": 16}),
+    ("softcap", {"softcap": 50.0}),
+    ("softcap-int", {"softcap": 30}),
+    ("softcap-zero-is-none", {"softcap": 0.0}),
     ("max-zero", {"max_q": 0, "max_k": 0}),
     ("out", {"out": t(10, 4, 64)}),
     ("return-aux-lse", {"return_aux": AuxRequest(lse=True)}),
@@ -258,9 +267,10 @@ def test_valid_call_returns_derived_arguments(monkeypatch):
     got = call(paged=True, window_size=[5, 0], num_splits=2, return_aux=AuxRequest(lse=True))
     assert got == VarlenArgs(num_seqs=2, total_q=10, num_heads_q=4, num_heads_kv=4, head_dim=64,
                              scale=1 / 8, window_left=5, window_right=0, paged=True, page_size=4,
-                             num_splits=2, return_lse=True, device=torch.device("cuda", 0))
+                             num_splits=2, return_lse=True, device=torch.device("cuda", 0), softcap=0.0)
     assert call(scale=2).scale == 2.0 and call().paged is False and call().page_size == 0
     assert call().return_lse is False and call().num_splits is None
+    assert call(softcap=30).softcap == 30.0 and call(softcap=0).softcap == 0.0
 
 
 def test_aux_request_matches_torch():
@@ -345,6 +355,7 @@ def test_check_varlen_values_accepts_valid_values(paged, overrides):
 POSITIONAL = ("query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k")
 SPEC_KEYWORDS = {"return_aux": None, "scale": None, "window_size": (-1, -1), "enable_gqa": False,
                  "seqused_k": None, "block_table": None, "num_splits": None}
+EXTENSIONS = {"softcap": None}  # jitattn's keywords beyond torch's, after all of torch's
 
 
 @pytest.fixture
@@ -436,13 +447,15 @@ def test_public_signatures_match_the_spec():
             assert params[p].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, f"{name}({p}) must be positional"
             assert params[p].default is inspect.Parameter.empty, f"{name}({p}) must have no default"
         keywords = {n: p for n, p in params.items() if n not in leading}
-        assert set(keywords) == set(SPEC_KEYWORDS), f"{name} keyword parameters: {sorted(keywords)}"
+        assert set(keywords) == set(SPEC_KEYWORDS) | set(EXTENSIONS), f"{name} keyword parameters: {sorted(keywords)}"
+        assert list(keywords)[-len(EXTENSIONS):] == list(EXTENSIONS), f"{name}: jitattn's extensions come last"
         for n, p in keywords.items():
             assert p.kind is inspect.Parameter.KEYWORD_ONLY, f"{name}: {n} must be keyword-only"
-            assert p.default == SPEC_KEYWORDS[n], f"{name}: {n} defaults to {p.default!r}"
+            assert p.default == {**SPEC_KEYWORDS, **EXTENSIONS}[n], f"{name}: {n} defaults to {p.default!r}"
         torch_fn = getattr(getattr(torch.nn.attention, "varlen", None), name, None)
         if torch_fn is not None and "block_table" in inspect.signature(torch_fn).parameters:
-            assert list(params) == list(inspect.signature(torch_fn).parameters), f"{name} differs from torch's"
+            ours = [n for n in params if n not in EXTENSIONS]
+            assert ours == list(inspect.signature(torch_fn).parameters), f"{name} differs from torch's"
 
 
 def test_public_aux_request_is_exported():

@@ -151,13 +151,14 @@ def make_batch(len_q, len_k, h_q, h_kv, head_dim, dtype, seed, *, enable_gqa=Non
                  len_q, len_k, seqused_k, block_table, enable_gqa)
 
 
-def reference(b: Batch, window=(-1, -1), scale=None, query=None):
+def reference(b: Batch, window=(-1, -1), scale=None, query=None, softcap=None):
     """varlen_attn_reference (float64, on the GPU) for batch b; long sequences a few query heads
     at a time so the float64 logits stay within REF_BUDGET elements per call."""
     query = b.query if query is None else query
     h_q, h_kv = query.shape[1], b.key.shape[-2]
     group = h_q // h_kv
-    common = dict(scale=scale, window_size=window, seqused_k=b.seqused_k, block_table=b.block_table)
+    common = dict(scale=scale, window_size=window, seqused_k=b.seqused_k, block_table=b.block_table,
+                  softcap=softcap)
     widest = max((lq * lk for lq, lk in zip(b.len_q, b.len_k)), default=0)
     if widest * h_q <= REF_BUDGET:
         return varlen_attn_reference(query, b.key, b.value, b.cu_seq_q, b.cu_seq_k, b.max_q, b.max_k,
@@ -183,7 +184,8 @@ def poison_for(b: Batch) -> None:
     poison_allocator(max(1, t_q * h_q * 4))
 
 
-def run(b: Batch, *, window=(-1, -1), scale=None, num_splits=None, want_lse=False, query=None, poison=True):
+def run(b: Batch, *, window=(-1, -1), scale=None, num_splits=None, want_lse=False, query=None, poison=True,
+        softcap=None):
     """jitattn.varlen_attn on batch b -> (out, lse or None)."""
     if poison:
         poison_for(b)
@@ -193,6 +195,8 @@ def run(b: Batch, *, window=(-1, -1), scale=None, num_splits=None, want_lse=Fals
         kw["num_splits"] = num_splits
     if scale is not None:
         kw["scale"] = scale
+    if softcap is not None:
+        kw["softcap"] = softcap
     result = jitattn.varlen_attn(q, *b.args()[1:], return_aux=jitattn.AuxRequest(lse=True) if want_lse else None,
                                  window_size=window, **kw)
     if want_lse:

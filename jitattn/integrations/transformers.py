@@ -18,12 +18,12 @@ and needs no flash-attn package. How a call maps (query (B, H_q, L_q, D), key/va
 - packed sequences (batch 1): `cu_seq_lens_q/k` + `max_length_q/k` (DataCollatorWithFlattening
   with return_flash_attn_kwargs=True) or position_ids that restart (its default).
 - `is_causal` -> window (-1, 0); `sliding_window` W -> left W - 1 (a key is seen iff
-  q - k < W, as transformers' mask); `scaling` -> scale; GQA -> enable_gqa.
+  q - k < W, as transformers' mask); `scaling` -> scale; GQA -> enable_gqa; `softcap`
+  (Gemma-2's `attn_logit_softcapping`) -> varlen_attn's softcap.
 
-Refused with an error naming the argument, never computed some other way: `softcap` (varlen
-has no logit soft cap; Gemma-2's `attn_logit_softcapping`), attention dropout > 0, attention
-sinks (`s_aux`), 4D or other custom masks, and a padding mask with gaps inside a row when a
-sliding window is in effect (the window would count tokens, not positions).
+Refused with an error naming the argument, never computed some other way: attention dropout
+> 0, attention sinks (`s_aux`), 4D or other custom masks, and a padding mask with gaps inside a
+row when a sliding window is in effect (the window would count tokens, not positions).
 """
 from __future__ import annotations
 
@@ -55,12 +55,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: (B, H, L, D) in, (B, L_q, H_q, D) and no
     attention weights out."""
-    _refuse(module, query, key, value, attention_mask, dropout, softcap, s_aux)
+    _refuse(module, query, key, value, attention_mask, dropout, s_aux)
     query, key, value = _half(query, key, value)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     batch, heads_q, len_q, head_dim = query.shape
     heads_kv, len_k = key.shape[1], key.shape[2]
-    common = {"scale": scaling, "window_size": _window(causal, sliding_window), "enable_gqa": heads_q != heads_kv}
+    common = {"scale": scaling, "window_size": _window(causal, sliding_window), "enable_gqa": heads_q != heads_kv,
+              "softcap": softcap}
     if attention_mask is not None:
         out = _padded(query, key, value, attention_mask, common, windowed=common["window_size"][0] >= 0)
     else:
@@ -81,12 +82,7 @@ def _varlen_attn(*args, **kwargs):
     return jitattn.varlen_attn(*args, **kwargs)
 
 
-def _refuse(module, query, key, value, attention_mask, dropout, softcap, s_aux) -> None:
-    if softcap is not None:
-        raise ValueError(
-            f"jitattn attention has no logit soft cap: softcap={softcap} ({type(module).__name__}; Gemma-2's "
-            "config.attn_logit_softcapping) cannot be expressed with varlen_attn. Use "
-            "attn_implementation='eager' for this model, or set config.attn_logit_softcapping=None")
+def _refuse(module, query, key, value, attention_mask, dropout, s_aux) -> None:
     if dropout:
         raise ValueError(f"jitattn attention has no attention dropout: dropout={dropout} "
                          f"({type(module).__name__}.attention_dropout); set config.attention_dropout=0.0")

@@ -51,6 +51,7 @@ def varlen_attn(
     seqused_k: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
     num_splits: int | None = None,
+    softcap: float | None = None,
 ):
     """Attention over packed variable-length sequences.
 
@@ -62,6 +63,8 @@ def varlen_attn(
     out takes query's layout (torch.empty_like(query), as torch's). Differentiable in query, key,
     value unless paged (jitattn/varlen/backward.py), and, beyond torch (whose newest lse is not
     differentiable), through lse too; seqused_k with grad is a superset as well.
+    softcap (beyond torch's API, FlashAttention's name and meaning): logits become
+    softcap * tanh(scale * q.k / softcap) (Gemma-2's attn_logit_softcapping); None or 0: none.
     """
     want_lse = return_aux is not None and getattr(return_aux, "lse", False) is True
     grad = needs_grad(query, key, value)
@@ -74,11 +77,12 @@ def varlen_attn(
             check_differentiable(block_table)
         out, lse = torch.ops.jitattn.varlen_attn(
             query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, list(window_size), enable_gqa,
-            seqused_k, block_table, num_splits, want_lse or grad)
+            seqused_k, block_table, num_splits, want_lse or grad, softcap)
     else:
         out, lse = forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
                            window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
-                           block_table=block_table, num_splits=num_splits, return_aux=return_aux)
+                           block_table=block_table, num_splits=num_splits, return_aux=return_aux,
+                           softcap=softcap)
     return (out, lse) if want_lse else out
 
 
@@ -99,11 +103,13 @@ def varlen_attn_out(
     seqused_k: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
     num_splits: int | None = None,
+    softcap: float | None = None,
 ):
     """varlen_attn writing into `out` (T_q, H_q, D), query's dtype and device; returns `out`, or
     (out, lse) with return_aux=AuxRequest(lse=True). Rows of `out` outside every sequence are
     left as they were. Not differentiable (as torch's): inputs that require grad are read as
-    constants, and autograd records nothing (use varlen_attn for a backward pass)."""
+    constants, and autograd records nothing (use varlen_attn for a backward pass). softcap as
+    for varlen_attn."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor of query's shape (T_q, H_q, D), got {type(out).__name__}")
     want_lse = return_aux is not None and getattr(return_aux, "lse", False) is True
@@ -112,12 +118,13 @@ def varlen_attn_out(
         ops_registered()
         lse = torch.ops.jitattn.varlen_attn_out(
             out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, list(window_size), enable_gqa,
-            seqused_k, block_table, num_splits, want_lse)
+            seqused_k, block_table, num_splits, want_lse, softcap)
     else:
         # no_grad: the kernel's writes are no autograd op anyway; the copy into an `out` the
         # kernel cannot write in place (and a leaf `out` that requires grad) must not be one either.
         with torch.no_grad() if needs_grad(out, query, key, value) else _NO_CONTEXT:
             out, lse = forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
                                window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
-                               block_table=block_table, num_splits=num_splits, return_aux=return_aux, out=out)
+                               block_table=block_table, num_splits=num_splits, return_aux=return_aux, out=out,
+                               softcap=softcap)
     return (out, lse) if want_lse else out

@@ -9,7 +9,8 @@ fake kernel shapes it for torch.compile.
 
 The gradients are those of shared/spec/varlen.md: dV = P^T dO, dS = P * (dP - D) with
 D = rowsum(dO * O) - dlse (the lse gradient is exact; torch's own varlen_attn ignores it),
-dQ = scale * dS K, dK = scale * dS^T Q, summed over a KV head's query heads for dK / dV. Under
+dQ = scale * dS K, dK = scale * dS^T Q, summed over a KV head's query heads for dK / dV (with a
+soft cap, logits cap * tanh(scale * s / cap), dS also takes the slope 1 - tanh^2). Under
 torch.use_deterministic_algorithms(True) the result is bitwise reproducible (an ordered dQ
 accumulation). seqused_k is supported (keys past seqused_k[i] get zero gradient; torch calls it
 inference-only). Paged KV (block_table) is not: as in torch, it is inference-only. The float32
@@ -38,7 +39,7 @@ def check_differentiable(block_table) -> None:
 # ---------------------------------------------------------------- autograd formula of jitattn::varlen_attn
 def setup_context(ctx, inputs, output) -> None:
     (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa,
-     seqused_k, block_table, num_splits, return_lse) = inputs
+     seqused_k, block_table, num_splits, return_lse, softcap) = inputs
     check_differentiable(block_table)
     out, lse = output  # lse is (0, T_q) when the op was called without return_lse: backward recomputes it
     ctx.save_for_backward(query, key, value, cu_seq_q, cu_seq_k, seqused_k, out, lse)
@@ -46,30 +47,32 @@ def setup_context(ctx, inputs, output) -> None:
     ctx.max_q, ctx.max_k = max_q, max_k
     ctx.window = [int(w) for w in window_size]
     ctx.enable_gqa = enable_gqa
+    ctx.softcap = softcap
 
 
 def backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):
     query, key, value, cu_seq_q, cu_seq_k, seqused_k, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.jitattn.varlen_attn_backward(
         grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, ctx.scale, ctx.window,
-        ctx.max_q, ctx.max_k)
+        ctx.max_q, ctx.max_k, ctx.softcap)
     # cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa, seqused_k, block_table,
-    # num_splits, return_lse: not differentiable
-    return (dq, dk, dv) + (None,) * 11
+    # num_splits, return_lse, softcap: not differentiable
+    return (dq, dk, dv) + (None,) * 12
 
 
 @torch.library.custom_op("jitattn::varlen_attn_backward", mutates_args=())
 def varlen_attn_backward_op(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tensor, value: Tensor,
                             out: Tensor, lse: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor, seqused_k: Tensor | None,
                             scale: float | None, window_size: list[int], max_q: int | None = None,
-                            max_k: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                            max_k: int | None = None, softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """max_q / max_k (the forward's) size the grid; None sizes it by T_q / T_k. Deterministic
-    under torch.use_deterministic_algorithms(True), read when the op runs."""
+    under torch.use_deterministic_algorithms(True), read when the op runs. softcap: the
+    forward's logit soft cap (None or 0: none)."""
     return _launch.backward(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k,
-                            scale=scale, window_size=window_size, max_q=max_q, max_k=max_k)
+                            scale=scale, window_size=window_size, max_q=max_q, max_k=max_k, softcap=softcap)
 
 
 @varlen_attn_backward_op.register_fake
 def _varlen_attn_backward_fake(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k,
-                               scale, window_size, max_q=None, max_k=None):
+                               scale, window_size, max_q=None, max_k=None, softcap=None):
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)

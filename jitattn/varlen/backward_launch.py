@@ -28,7 +28,7 @@ WINDOW_CLAMP = 1 << 30  # a window wider than any sequence: the kernels' 32-bit 
 # dQ-adding warps being the critical path (notes/backward-h200.md); correct, kept to build on.
 PRODUCER_HEAD_DIMS: frozenset[int] = frozenset()
 
-_kernels: dict[tuple, tuple[object, VarlenBackwardSpec]] = {}  # (head_dim, dtype, wgmma) -> (run op, spec)
+_kernels: dict[tuple, tuple[object, VarlenBackwardSpec]] = {}  # (head_dim, dtype, wgmma, cap) -> (run op, spec)
 _hopper: dict[int | None, bool] = {}  # device index -> sm_90
 
 
@@ -43,20 +43,21 @@ def wgmma_allowed(device: torch.device) -> bool:
     return hopper and env.wgmma_enabled()
 
 
-def plan(head_dim: int, dtype: torch.dtype, wgmma: bool = False) -> VarlenBackwardSpec:
+def plan(head_dim: int, dtype: torch.dtype, wgmma: bool = False, soft_cap: bool = False) -> VarlenBackwardSpec:
     """The specialization a backward runs: the Hopper rung where it covers the head_dim and
     `wgmma` allows it (with a producer warpgroup at PRODUCER_HEAD_DIMS), else mma.sync; the
-    tuned tile of the head_dim."""
+    tuned tile of the head_dim; the soft cap's variant when the forward had one."""
     wgmma = wgmma and VarlenBackwardSpec.wgmma_fits(head_dim)
     return VarlenBackwardSpec(head_dim, check.DTYPE_NAMES[dtype], wgmma=wgmma,
-                              producer=wgmma and head_dim in PRODUCER_HEAD_DIMS)
+                              producer=wgmma and head_dim in PRODUCER_HEAD_DIMS, soft_cap=soft_cap)
 
 
-def _kernel(head_dim: int, dtype: torch.dtype, wgmma: bool):
-    entry = _kernels.get((head_dim, dtype, wgmma))
+def _kernel(head_dim: int, dtype: torch.dtype, wgmma: bool, soft_cap: bool):
+    key = (head_dim, dtype, wgmma, soft_cap)
+    entry = _kernels.get(key)
     if entry is None:
-        spec = plan(head_dim, dtype, wgmma)
-        entry = _kernels[(head_dim, dtype, wgmma)] = (get_module(spec).ops.run.default, spec)
+        spec = plan(head_dim, dtype, wgmma, soft_cap)
+        entry = _kernels[key] = (get_module(spec).ops.run.default, spec)
     return entry
 
 
@@ -73,14 +74,15 @@ def _writable(t: Tensor) -> bool:
 def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
              lse: Tensor | None, cu_seq_q: Tensor, cu_seq_k: Tensor, seqused_k: Tensor | None = None, *,
              scale: float | None = None, window_size=(-1, -1), max_q: int | None = None, max_k: int | None = None,
-             deterministic: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
+             deterministic: bool | None = None, softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in the dtypes and shapes of query, key, value (dq with query's strides where
     it can). lse (H_q, T_q) as the forward returned it, or None / (0, T_q): recomputed by a
     forward. grad_lse None or (0, T_q): no lse gradient. max_q / max_k: the forward's; None
     sizes the grid by T_q / T_k (correct, but a larger grid). deterministic None: under
-    torch.use_deterministic_algorithms(True)."""
+    torch.use_deterministic_algorithms(True). softcap: the forward's (None or 0: none)."""
     total_q, heads_q, head_dim = query.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    softcap = float(softcap or 0.0)
     left, right = (min(int(w), WINDOW_CLAMP) for w in window_size)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
@@ -89,10 +91,11 @@ def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tens
     if max_k is None:
         max_k = key.shape[0]
     if lse is None or lse.shape[0] != heads_q:
-        lse = _forward_lse(query, key, value, cu_seq_q, cu_seq_k, seqused_k, max_q, max_k, scale, (left, right))
+        lse = _forward_lse(query, key, value, cu_seq_q, cu_seq_k, seqused_k, max_q, max_k, scale, (left, right),
+                           softcap)
     if grad_lse is not None and grad_lse.shape[0] != heads_q:
         grad_lse = None
-    run, spec = _kernel(head_dim, query.dtype, wgmma_allowed(query.device))
+    run, spec = _kernel(head_dim, query.dtype, wgmma_allowed(query.device), softcap > 0)
 
     dq = torch.empty_like(query)
     dk = torch.zeros_like(key)
@@ -108,14 +111,15 @@ def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tens
         seqused_k = seqused_k.contiguous()
     if total_q > 0:
         run(grad_out, grad_lse, q, k, v, out, lse, cu_seq_q, cu_seq_k, seqused_k, targets[0], targets[1], targets[2],
-            num_key_blocks(max_k, spec.block_n), left, right, scale, scale * LOG2E, bool(deterministic))
+            num_key_blocks(max_k, spec.block_n), left, right, scale, scale * LOG2E, softcap, bool(deterministic))
     for result, target in zip((dq, dk, dv), targets):
         if target is not result:
             result.copy_(target)
     return dq, dk, dv
 
 
-def _forward_lse(query, key, value, cu_seq_q, cu_seq_k, seqused_k, max_q, max_k, scale, window) -> Tensor:
+def _forward_lse(query, key, value, cu_seq_q, cu_seq_k, seqused_k, max_q, max_k, scale, window,
+                 softcap=0.0) -> Tensor:
     """The lse of a forward called without it (a direct call of jitattn::varlen_attn with
     return_lse=False): computed again by the forward kernels."""
     import jitattn.varlen.forward as forward_module  # the module, so tests can stand in for its forward
@@ -123,5 +127,6 @@ def _forward_lse(query, key, value, cu_seq_q, cu_seq_k, seqused_k, max_q, max_k,
 
     _, lse = forward_module.forward(query.detach(), key.detach(), value.detach(), cu_seq_q, cu_seq_k, max_q, max_k,
                             scale=scale, window_size=window, enable_gqa=query.shape[1] != key.shape[1],
-                            seqused_k=seqused_k, block_table=None, num_splits=1, return_aux=AuxRequest(lse=True))
+                            seqused_k=seqused_k, block_table=None, num_splits=1, return_aux=AuxRequest(lse=True),
+                            softcap=softcap)
     return lse

@@ -45,6 +45,7 @@ class VarlenArgs(NamedTuple):
     num_splits: int | None
     return_lse: bool
     device: torch.device
+    softcap: float  # 0.0: no soft cap
 
 
 def needs_grad(*tensors) -> bool:
@@ -78,6 +79,13 @@ def _scale(value, default: float) -> float:
     return float(value)
 
 
+def _softcap(value) -> float:
+    """None or 0 -> 0.0, no cap (FlashAttention's convention); else a finite cap > 0."""
+    if value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool) and value == 0):
+        return 0.0
+    return check.positive_float("softcap", value, 0.0)
+
+
 def _window(value) -> tuple[int, int]:
     if not isinstance(value, (tuple, list)):
         raise TypeError(f"window_size must be a tuple of two ints (left, right), got {type(value).__name__} {value!r}")
@@ -104,6 +112,7 @@ def check_varlen_args(
     num_splits,
     out=None,
     return_aux=None,
+    softcap=None,
 ) -> VarlenArgs:
     """Raise TypeError/ValueError naming the first bad argument; return the derived VarlenArgs.
 
@@ -193,6 +202,7 @@ def check_varlen_args(
     left, right = _window(window_size)
     if num_splits is not None:
         num_splits = check.integer("num_splits", num_splits, 1)
+    softcap = _softcap(softcap)
 
     # -- out and return_aux
     if out is not None:
@@ -217,7 +227,7 @@ def check_varlen_args(
              "seqused_k": seqused_k, "block_table": block_table, "out": out}
     device = check.cuda_device({name: t for name, t in named.items() if t is not None})
     return VarlenArgs(num_seqs, total_q, num_heads_q, num_heads_kv, head_dim, scale, left, right, paged,
-                      page_size, num_splits, return_lse, device)
+                      page_size, num_splits, return_lse, device, softcap)
 
 
 def check_varlen_values(

@@ -13,16 +13,18 @@ from jitattn.varlen.spec import VarlenSpec
 
 LOG2E = 1.4426950408889634
 
-# (head_dim, dtype, paged, decode, wgmma) -> (loaded kernel, BLOCK_M, BLOCK_N): the per-call fast path
+# (head_dim, dtype, paged, decode, wgmma, soft cap) -> (loaded kernel, BLOCK_M, BLOCK_N): the per-call fast path
 _kernels: dict[tuple, tuple[OpKernel, int, int]] = {}
 
 
 def forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa,
-            seqused_k, block_table, num_splits, return_aux, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+            seqused_k, block_table, num_splits, return_aux, out=None,
+            softcap=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate, plan, launch. Returns (out, lse); lse is (0, T_q) unless return_aux asks for it."""
     args = check_varlen_args(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
                              window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
-                             block_table=block_table, num_splits=num_splits, out=out, return_aux=return_aux)
+                             block_table=block_table, num_splits=num_splits, out=out, return_aux=return_aux,
+                             softcap=softcap)
     debug = env.debug() and not torch.cuda.is_current_stream_capturing()
     if debug:  # reads the metadata back: a sync, so only when asked for
         check_varlen_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k=seqused_k,
@@ -30,10 +32,12 @@ def forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, windo
 
     group = args.num_heads_q // args.num_heads_kv
     decode, wgmma = tile_kind(args.num_splits, max_q, group, args.head_dim, args.device)
-    kernel_key = (args.head_dim, query.dtype, args.paged, decode, wgmma)
+    capped = args.softcap > 0
+    kernel_key = (args.head_dim, query.dtype, args.paged, decode, wgmma, capped)
     entry = _kernels.get(kernel_key)
     if entry is None:
-        spec = VarlenSpec(args.head_dim, check.DTYPE_NAMES[query.dtype], args.paged, decode, wgmma=wgmma)
+        spec = VarlenSpec(args.head_dim, check.DTYPE_NAMES[query.dtype], args.paged, decode, wgmma=wgmma,
+                          soft_cap=capped)
         entry = _kernels[kernel_key] = (OpKernel(get_module(spec)), spec.block_m, spec.block_n)
     kernel, block_m, tile_n = entry
     m_blocks = -(-max_q * group // block_m)
@@ -62,7 +66,7 @@ def forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, windo
     bad_page = torch.zeros(3, dtype=torch.int32, device=args.device) if debug and args.paged else None
     result, lse = kernel.run(query, key, value, metadata[0], metadata[1], metadata[2], block_table, target,
                              bad_page, group, m_blocks, splits, min_tiles, args.window_left, args.window_right,
-                             args.scale * LOG2E, args.return_lse)
+                             args.scale * LOG2E, args.softcap, args.return_lse)
     if out is not None and target is None:
         out.copy_(result)
         result = out

@@ -13,6 +13,8 @@ to `forward`.
 
 Op arguments are what the schema language can say: window_size is a list of two ints, return_aux
 becomes return_lse, and ops always return lse (an empty (0, T_q) tensor when it was not asked for).
+`softcap` (jitattn's logit soft cap, beyond torch's API) comes last with a default, so calls
+written for torch's argument list still bind.
 """
 from __future__ import annotations
 
@@ -32,19 +34,21 @@ def _aux(return_lse: bool) -> AuxRequest | None:
 def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor | None,
                 max_q: int, max_k: int, scale: float | None, window_size: list[int], enable_gqa: bool,
                 seqused_k: Tensor | None, block_table: Tensor | None, num_splits: int | None,
-                return_lse: bool) -> tuple[Tensor, Tensor]:
+                return_lse: bool, softcap: float | None = None) -> tuple[Tensor, Tensor]:
     out, lse = forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
                        window_size=tuple(window_size), enable_gqa=enable_gqa, seqused_k=seqused_k,
-                       block_table=block_table, num_splits=num_splits, return_aux=_aux(return_lse))
+                       block_table=block_table, num_splits=num_splits, return_aux=_aux(return_lse),
+                       softcap=softcap)
     return out, lse
 
 
 @varlen_attn.register_fake
 def _varlen_attn_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa,
-                      seqused_k, block_table, num_splits, return_lse):
+                      seqused_k, block_table, num_splits, return_lse, softcap=None):
     check_varlen_args(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
                       window_size=tuple(window_size), enable_gqa=enable_gqa, seqused_k=seqused_k,
-                      block_table=block_table, num_splits=num_splits, return_aux=_aux(return_lse))
+                      block_table=block_table, num_splits=num_splits, return_aux=_aux(return_lse),
+                      softcap=softcap)
     return torch.empty_like(query), _lse_like(query, return_lse)  # the query's layout, as eager's
 
 
@@ -56,19 +60,21 @@ varlen_attn.register_autograd(_backward.backward, setup_context=_backward.setup_
 def varlen_attn_out(out: Tensor, query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor,
                     cu_seq_k: Tensor | None, max_q: int, max_k: int, scale: float | None, window_size: list[int],
                     enable_gqa: bool, seqused_k: Tensor | None, block_table: Tensor | None,
-                    num_splits: int | None, return_lse: bool) -> Tensor:
+                    num_splits: int | None, return_lse: bool, softcap: float | None = None) -> Tensor:
     _, lse = forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
                      window_size=tuple(window_size), enable_gqa=enable_gqa, seqused_k=seqused_k,
-                     block_table=block_table, num_splits=num_splits, return_aux=_aux(return_lse), out=out)
+                     block_table=block_table, num_splits=num_splits, return_aux=_aux(return_lse), out=out,
+                     softcap=softcap)
     return lse
 
 
 @varlen_attn_out.register_fake
 def _varlen_attn_out_fake(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size,
-                          enable_gqa, seqused_k, block_table, num_splits, return_lse):
+                          enable_gqa, seqused_k, block_table, num_splits, return_lse, softcap=None):
     check_varlen_args(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
                       window_size=tuple(window_size), enable_gqa=enable_gqa, seqused_k=seqused_k,
-                      block_table=block_table, num_splits=num_splits, out=out, return_aux=_aux(return_lse))
+                      block_table=block_table, num_splits=num_splits, out=out, return_aux=_aux(return_lse),
+                      softcap=softcap)
     return _lse_like(query, return_lse)
 
 

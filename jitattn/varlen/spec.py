@@ -19,7 +19,8 @@ class VarlenSpec(KernelSpec):
     `decode` picks the shape for few query rows per KV head (16 rows, each tile's keys spread over
     4 warps) instead of the prefill one (the rows spread over the warps). `wgmma` (prefill,
     head_dim a multiple of 64, Hopper only: built for sm_90a) runs both GEMMs as warpgroup MMAs
-    from shared memory, two warpgroups of 64 rows each. The tile fields
+    from shared memory, two warpgroups of 64 rows each. `soft_cap` adds the logit soft cap
+    (Gemma-2's): logits cap * tanh(scale * q.k / cap), cap a runtime argument. The tile fields
     (warps_m, m_tiles, block_n, stages) default to 0, which means the tuned shape for the head_dim
     (`default_tile`); they are resolved on construction, so a spec always names its exact tile."""
 
@@ -37,7 +38,8 @@ class VarlenSpec(KernelSpec):
     m_tiles: int = 0  # 16-row MMA tiles per warp
     block_n: int = 0  # keys per pipeline stage
     stages: int = 0   # cp.async pipeline depth
-    wgmma: bool = False  # Hopper rung (last, so positional tiles keep their places)
+    wgmma: bool = False  # Hopper rung (after the tiles, so positional tiles keep their places)
+    soft_cap: bool = False  # logits cap * tanh(scale * s / cap); the cap is a runtime argument
 
     def __post_init__(self):
         if self.wgmma and not self.wgmma_fits(self.head_dim, self.decode):
@@ -116,7 +118,8 @@ class VarlenSpec(KernelSpec):
     def name(self) -> str:
         tile = f"m{self.warps_m}x{self.m_tiles}n{self.block_n}s{self.stages}"
         return (f"varlen_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{'_paged' if self.paged else ''}"
-                f"_{'decode' if self.decode else 'prefill'}{'_wgmma' if self.wgmma else ''}_{tile}")
+                f"_{'decode' if self.decode else 'prefill'}{'_wgmma' if self.wgmma else ''}"
+                f"{'_cap' if self.soft_cap else ''}_{tile}")
 
 
 @register
@@ -134,7 +137,8 @@ class VarlenBackwardSpec(KernelSpec):
     64 or 128, 128 keys x 64 queries on two warpgroups; it builds for 9.0a only. `producer`
     (wgmma only) adds a third warpgroup that copies the query tiles and adds dQ to the
     accumulator, handing both over through mbarriers: correct, but measured 2.2-2.8x slower on
-    the H200, so no call takes it (jitattn.varlen.backward_launch.PRODUCER_HEAD_DIMS)."""
+    the H200, so no call takes it (jitattn.varlen.backward_launch.PRODUCER_HEAD_DIMS).
+    `soft_cap`: the backward of the forward's logit soft cap (the cap a runtime argument)."""
 
     family: ClassVar[str] = "varlen_backward"
     sources: ClassVar[dict[str, str]] = {
@@ -149,6 +153,7 @@ class VarlenBackwardSpec(KernelSpec):
     warps_q: int = 0
     wgmma: bool = False
     producer: bool = False
+    soft_cap: bool = False  # the forward's logit soft cap: dS takes the slope 1 - tanh^2
 
     @classmethod
     def prewarm_variants(cls, fields: dict, archs: tuple[str, ...]) -> list[dict]:
@@ -237,4 +242,5 @@ class VarlenBackwardSpec(KernelSpec):
     @property
     def name(self) -> str:
         rung = "_wgmma_producer" if self.producer else "_wgmma" if self.wgmma else ""
-        return f"varlen_backward_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{rung}_n{self.block_n}m{self.block_m}q{self.warps_q}"
+        return (f"varlen_backward_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{rung}{'_cap' if self.soft_cap else ''}"
+                f"_n{self.block_n}m{self.block_m}q{self.warps_q}")

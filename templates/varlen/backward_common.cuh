@@ -105,6 +105,26 @@ __device__ __forceinline__ void probs_to_dscores(const float (&pt)[TILES][4], fl
   }
 }
 
+// With a soft cap, S^T and dP^T -> P^T and dS^T in place in one pass: the logit is
+// cap * tanh(scale * s / cap), whose slope 1 - tanh^2 (times scale, applied to dQ and dK
+// later) multiplies dS^T, so tanh is needed at both steps and never stored.
+template <int TILES>
+__device__ __forceinline__ void capped_scores_to_dscores(float (&s)[TILES][4], float (&dp)[TILES][4],
+                                                         const float* lse2, const float* delta, float sl2,
+                                                         float cap_scale, int q0, int c) {
+#pragma unroll
+  for (int t = 0; t < TILES; ++t) {
+    const float2 l = *reinterpret_cast<const float2*>(lse2 + q0 + t * 8 + 2 * c);
+    const float2 d = *reinterpret_cast<const float2*>(delta + q0 + t * 8 + 2 * c);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float th = tanh_from_exp2(s[t][e] * cap_scale);
+      s[t][e] = fast_exp2(fmaf(th, sl2, -((e & 1) ? l.y : l.x)));
+      dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? d.y : d.x)) * fmaf(-th, th, 1.f);
+    }
+  }
+}
+
 // Zero P^T and dS^T where the (key, query) pair is hidden: past the sequence's rows or keys, or
 // outside the window. Only boundary tiles run it.
 template <int TILES>

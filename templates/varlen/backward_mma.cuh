@@ -7,6 +7,7 @@
 //   S^T  = K Q^T, dP^T = V dO^T                      (fp32 accumulators)
 //   P^T  = exp2(S^T * scale_log2 - lse2)              (0 where masked)
 //   dS^T = P^T * (dP^T - delta)
+//   (SOFT_CAP: S^T is first capped, tanh(scale S^T / cap), and dS^T takes its slope 1 - tanh^2)
 //   dV  += P^T dO, dK += dS^T Q                       (registers, the whole walk)
 //   dQ  += dS K  -> fp32 atomics into the accumulator (dS^T through shared memory)
 // Warps: WARPS_N x WARPS_Q. Each warp owns 16 keys; with WARPS_Q = 1 (head_dim <= 128) it
@@ -134,8 +135,12 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const BwdParams p) {
     }
 
     // P^T and dS^T (in place of S^T and dP^T); masked only on boundary tiles.
-    scores_to_probs(s, lse2, sl2, q0, c);
-    probs_to_dscores(s, dp, delta, q0, c);
+    if constexpr (SOFT_CAP) {
+      capped_scores_to_dscores(s, dp, lse2, delta, sl2, p.cap_scale, q0, c);
+    } else {
+      scores_to_probs(s, lse2, sl2, q0, c);
+      probs_to_dscores(s, dp, delta, q0, c);
+    }
     if (tile.masked) mask_hidden(p, w, m, key0, q0, g, c, s, dp);
 
     // dS^T -> shared memory (T), for dQ; with WARPS_Q = 2 also P^T, for the partner warp.

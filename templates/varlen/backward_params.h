@@ -38,6 +38,7 @@ struct BwdParams {
   int sem_stride;             // semaphores per KV head: T_q * pack / BLOCK_M + N + 1
   int window_left, window_right;  // -1: unbounded on that side (clamped to 2^30 by the host)
   float scale;                // softmax scale (dQ and dK are scaled by it)
-  float scale_log2;           // scale * log2(e)
+  float scale_log2;           // scale * log2(e); with a soft cap, cap * log2(e)
+  float cap_scale;            // soft cap: 2 * scale * log2(e) / cap, so tanh(scale * s / cap) comes from exp2
   int device;
 };

@@ -204,12 +204,19 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const BwdParams p) {
     wgmma_commit();
     auto& s4 = reinterpret_cast<float(&)[Q_TILES][4]>(s);
     auto& dp4 = reinterpret_cast<float(&)[Q_TILES][4]>(dp);
-    wgmma_wait<1>();
-    wgmma_pin(s);
-    scores_to_probs(s4, lse2, sl2, 0, c);
-    wgmma_wait<0>();
-    wgmma_pin(dp);
-    probs_to_dscores(s4, dp4, delta, 0, c);
+    if constexpr (SOFT_CAP) {  // dS^T needs tanh of S^T too: both at once, after both GEMMs
+      wgmma_wait<0>();
+      wgmma_pin(s);
+      wgmma_pin(dp);
+      capped_scores_to_dscores(s4, dp4, lse2, delta, sl2, p.cap_scale, 0, c);
+    } else {
+      wgmma_wait<1>();
+      wgmma_pin(s);
+      scores_to_probs(s4, lse2, sl2, 0, c);
+      wgmma_wait<0>();
+      wgmma_pin(dp);
+      probs_to_dscores(s4, dp4, delta, 0, c);
+    }
     if (tile.masked) mask_hidden(p, w, m, key0, 0, g, c, s4, dp4);
 
     // dS^T -> shared memory (T), for dQ; P^T and dS^T as A fragments.

@@ -27,6 +27,7 @@ struct VarlenParams {
                               // at most num_splits, none shorter than this many of its own key tiles
   int window_left, window_right;  // -1: unbounded on that side
   int page_shift, page_mask;  // page_size = 1 << page_shift
-  float scale_log2;           // softmax scale * log2(e)
+  float scale_log2;           // softmax scale * log2(e); with a soft cap, cap * log2(e)
+  float cap_scale;            // soft cap: 2 * scale * log2(e) / cap, so tanh(scale * s / cap) comes from exp2
   int device;
 };
