@@ -22,7 +22,9 @@ CUDA-event timing of device time (host time hidden), warm-up, cold L2 (each time
 different input set, the sets together >= 256 MB), median of the timed calls.
 Run: python tools/bench_varlen.py [--quick] [--parts prefill decode skewed host backward]
      [--bwd-tiles 128,64,1 64,64,2 ...] [--bwd-variants other mma det peers skewed]
-     [--bwd-producer auto|on|off]
+     [--bwd-producer auto|on|off] [--softcap CAP]
+With --softcap, the prefill rows (and the backward's `softcap` variant) also time jitattn with
+that logit soft cap (Gemma-2's is 50), beside the uncapped call.
 """
 from __future__ import annotations
 
@@ -144,6 +146,13 @@ def bench_prefill(args):
             tf = [None if t is None else flops / t / 1e6 for t in (t_ours, t_torch, t_sdpa)]
             print(f"| {head_dim} | {heads} | {causal} | {fmt(t_ours)} | {fmt(tf[0])} | {fmt(tf[1])} | {fmt(tf[2])} "
                   f"| {ratio(t_ours, t_torch)} | {ratio(t_ours, t_sdpa)} |", flush=True)
+            if args.softcap:
+                capped = [lambda s=s: jitattn.varlen_attn(s[0], s[1], s[2], cu_seq, cu_seq, seq, seq,
+                                                          window_size=window, softcap=args.softcap) for s in sets]
+                t_cap = timed(capped, args, "jitattn softcap")
+                print(f"|  | softcap {args.softcap:g} | {causal} | {fmt(t_cap)} "
+                      f"| {fmt(None if t_cap is None else flops / t_cap / 1e6)} | | | {ratio(t_cap, t_torch)} "
+                      f"| {ratio(t_cap, t_sdpa)} (cost {ratio(t_ours, t_cap)}) |", flush=True)
         del sets
         torch.cuda.empty_cache()
 
@@ -381,6 +390,10 @@ def bench_backward(args):
             if "peers" in variants:
                 t_sdpa = _backward_us(lambda s: F.scaled_dot_product_attention(*s[0], is_causal=causal), sdpa_sets,
                                       args, "SDPA")
+            if "softcap" in variants:
+                capped = lambda s: jitattn.varlen_attn(*s[0], cu_seq, cu_seq, seq, seq, window_size=window,
+                                                       softcap=args.softcap or 50.0)
+                results["softcap"] = _backward_us(capped, sets, args, "jitattn softcap")
             t_ours = results[None]
             _sanity_grads(ours, sets[0], lambda: F.scaled_dot_product_attention(*sdpa_sets[0][0], is_causal=causal),
                           sdpa_sets[0], (batch, seq, heads, head_dim), f"backward d{head_dim} causal={causal} vs SDPA")
@@ -389,10 +402,11 @@ def bench_backward(args):
             print(f"| {head_dim} | {heads} | {causal} | {fmt(t_ours)} | {fmt(tf(t_ours))} | {fmt(tf(t_det))} "
                   f"| {fmt(tf(t_torch))} | {fmt(tf(t_sdpa))} | {ratio(t_ours, t_torch)} | {ratio(t_ours, t_sdpa)} "
                   f"| {cost} |", flush=True)
-            for tile in rungs[1:]:
+            for tile in rungs[1:] + (["softcap"] if "softcap" in results else []):
                 t = results[tile]
                 other = "wgmma with producer" if head_dim not in launch.PRODUCER_HEAD_DIMS else "wgmma without producer"
-                name = {"mma": "mma.sync rung", "other": other}.get(tile) or f"mma.sync n{tile[0]}m{tile[1]}q{tile[2]}"
+                name = ({"mma": "mma.sync rung", "other": other, "softcap": f"softcap {args.softcap or 50.0:g}"}.get(tile)
+                        or f"mma.sync n{tile[0]}m{tile[1]}q{tile[2]}")
                 print(f"|  | {name} | {causal} | {fmt(t)} | {fmt(tf(t))} | | | "
                       f"| {ratio(t, t_torch)} | {ratio(t, t_sdpa)} | |", flush=True)
         del sets
@@ -463,10 +477,12 @@ def main():
     parser.add_argument("--bwd-tiles", nargs="*", metavar="N,M,Q",
                         help="backward: also time these (block_n, block_m, warps_q) tiles (prebuilt)")
     parser.add_argument("--bwd-variants", nargs="*", default=["other", "mma", "det", "peers", "skewed"],
-                        choices=["other", "mma", "det", "peers", "skewed"],
+                        choices=["other", "mma", "det", "peers", "skewed", "softcap"],
                         help="backward rows beside the default: the other wgmma variant (with / without the "
                              "producer warpgroup), the mma.sync rung, deterministic mode, torch's varlen_attn and "
-                             "SDPA, the skewed batch")
+                             "SDPA, the skewed batch, the logit soft cap (--softcap, default 50)")
+    parser.add_argument("--softcap", type=float, default=None,
+                        help="prefill (and the backward's softcap variant): also time jitattn with this logit soft cap")
     parser.add_argument("--bwd-producer", choices=["auto", "on", "off"], default="auto",
                         help="backward: the wgmma rung with the producer warpgroup (on), without (off), or "
                              "jitattn's default (auto)")
