@@ -286,7 +286,8 @@ def _with_tile(tile):
         else:
             launch.wgmma_allowed = lambda device: False
         if tile not in ("mma", "other"):
-            launch.plan = lambda head_dim, dtype, wgmma=False: VarlenBackwardSpec(head_dim, "bfloat16", *tile)
+            launch.plan = lambda head_dim, dtype, wgmma=False, soft_cap=False: VarlenBackwardSpec(
+                head_dim, "bfloat16", *tile, soft_cap=soft_cap)
         launch._kernels.clear()
         try:
             yield
