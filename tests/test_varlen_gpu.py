@@ -157,6 +157,31 @@ def test_decode_batch_matches_reference(case):
     check(b, out, lse, reference(b, window), f"decode window={window} splits={num_splits}")
 
 
+# Decode tiles other than the default (each warp takes 16 keys of a tile: block_n / 16 warps),
+# as tools/bench_varlen.py --decode-tiles times them; cache/gpu-tests.toml holds them.
+DECODE_TILES = [(1, 1, 32, 6), (1, 1, 48, 4), (1, 1, 64, 3), (1, 1, 128, 3)]
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("tile", DECODE_TILES, ids=[f"n{t[2]}s{t[3]}" for t in DECODE_TILES])
+def test_decode_tile_shapes_match_reference(tile, paged, monkeypatch):
+    from jitattn.jit.loader import get_module
+    from jitattn.kernel import OpKernel
+    from jitattn.varlen import forward
+    from jitattn.varlen.spec import VarlenSpec
+
+    spec = VarlenSpec(128, "bfloat16", paged, True, *tile)
+    monkeypatch.setitem(forward._kernels, (128, BF16, paged, True, False),
+                        (OpKernel(get_module(spec)), spec.block_m, spec.block_n))
+    rng = random.Random(7 + tile[2])
+    len_k = [rng.choice([1, 33, rng.randint(2, 600), rng.randint(600, 5000)]) for _ in range(12)] + [0, 9000]
+    b = make_batch([1] * len(len_k), len_k, 32, 8, 128, BF16, seed=7 + tile[2], paged=paged, page_size=16,
+                   slack=5, use_seqused=paged)
+    for window, num_splits in [((-1, -1), None), ((-1, 0), 2), ((255, 0), 3)]:
+        out, lse = run(b, window=window, num_splits=num_splits, want_lse=True)
+        check(b, out, lse, reference(b, window), f"decode tile {tile} window={window} splits={num_splits}")
+
+
 # ---------------------------------------------------------------- GQA
 @pytest.mark.parametrize("ratio", [1, 4, 8])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (64, 0)])

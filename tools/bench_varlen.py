@@ -7,7 +7,8 @@ the same run.
 (b) paged decode: 64 sequences x 4096 keys, 32 query / 8 KV heads, D128 bf16, page size 16, pages
     a random permutation of the pool, max_q=1, seqused_k=4096; us and TB/s (K+V pages read + q +
     out). Peer: SDPA (enable_gqa, or KV heads repeated outside the timing) on the dense
-    (64,32,1,D) x (64,8,4096,D); torch's varlen_attn too where it takes block_table.
+    (64,32,1,D) x (64,8,4096,D); torch's varlen_attn too where it takes block_table. With
+    --decode-tiles, other decode tiles too, and each also on the same keys packed (no pages).
 (c) skewed batch: causal bf16 D128 16 heads, lengths 128..16384 doubling (8 sequences);
     TFLOP/s vs torch's varlen_attn.
 (d) host time per call of a tiny call (wall time over 10,000 calls), beside torch's.
@@ -21,6 +22,7 @@ the same run.
 CUDA-event timing of device time (host time hidden), warm-up, cold L2 (each timed call reads a
 different input set, the sets together >= 256 MB), median of the timed calls.
 Run: python tools/bench_varlen.py [--quick] [--parts prefill decode skewed host backward]
+     [--decode-tiles 1,1,32,6 1,1,64,3 ...]
      [--bwd-tiles 128,64,1 64,64,2 ...] [--bwd-variants other mma det peers skewed]
      [--bwd-producer auto|on|off] [--softcap CAP]
 With --softcap, the prefill rows (and the backward's `softcap` variant) also time jitattn with
@@ -179,14 +181,21 @@ def bench_decode(args):
         k_pool[table.view(-1).long()] = k_dense.view(-1, page, h_kv, head_dim)
         v_pool[table.view(-1).long()] = v_dense.view(-1, page, h_kv, head_dim)
         ks, vs = (t.permute(0, 2, 1, 3).contiguous() for t in (k_dense, v_dense))  # (B, H_kv, L, D)
+        # --decode-tiles also times the same keys packed (no block_table): what the paging costs
+        packed = (k_dense.view(-1, h_kv, head_dim), v_dense.view(-1, h_kv, head_dim)) if args.decode_tiles else None
         del k_dense, v_dense
         if not gqa:  # repeat the KV heads here, outside the timing
             ks, vs = ks.repeat_interleave(h_q // h_kv, dim=1), vs.repeat_interleave(h_q // h_kv, dim=1)
-        sets.append((q, k_pool, v_pool, table, q.view(batch, h_q, 1, head_dim), ks, vs))
+        sets.append((q, k_pool, v_pool, table, q.view(batch, h_q, 1, head_dim), ks, vs, packed))
+    cu_k = cu([kv_len] * batch)
 
     def ours(s, splits):
         return jitattn.varlen_attn(s[0], s[1], s[2], cu_q, None, 1, kv_len, enable_gqa=True, seqused_k=seqused,
                                    block_table=s[3], num_splits=splits)
+
+    def ours_packed(s, splits):
+        return jitattn.varlen_attn(s[0], s[7][0], s[7][1], cu_q, cu_k, 1, kv_len, enable_gqa=True,
+                                   num_splits=splits)
 
     sdpa_kw = {"enable_gqa": True} if gqa else {}
     sdpa = [lambda s=s: F.scaled_dot_product_attention(s[4], s[5], s[6], **sdpa_kw) for s in sets]
@@ -200,6 +209,17 @@ def bench_decode(args):
     else:
         rows.append(("torch varlen_attn (paged)", None))
     rows.append((f"SDPA dense ({'enable_gqa' if gqa else 'KV repeated'})", timed(sdpa, args, "SDPA")))
+    for tile in args.decode_tiles or []:  # tuning: other decode tiles, automatic and explicit splits
+        shape = tuple(int(x) for x in tile.split(","))
+        with _with_decode_tile(shape, head_dim):
+            sanity(ours(sets[0], None), lambda: sdpa[0]().view(batch, h_q, head_dim), f"decode tile {tile} vs SDPA")
+            for splits in (None, 2, 4):
+                rows.append((f"jitattn tile {tile} (num_splits={splits})",
+                             timed([lambda s=s: ours(s, splits) for s in sets], args, f"jitattn {tile}")))
+            sanity(ours_packed(sets[0], None), lambda: sdpa[0]().view(batch, h_q, head_dim),
+                   f"decode tile {tile} packed vs SDPA")
+            rows.append((f"jitattn tile {tile}, packed KV (num_splits=None)",
+                         timed([lambda s=s: ours_packed(s, None) for s in sets], args, f"jitattn {tile} packed")))
     print(f"\n### paged decode: bf16 D{head_dim}, {batch} x {kv_len} keys, {h_q}/{h_kv} heads, page {page}, "
           f"max_q=1\n")
     print("| implementation | us | TB/s | jitattn speedup |")
@@ -210,6 +230,35 @@ def bench_decode(args):
         print(f"| {name} | {fmt(t)} | {fmt(tbs, '.2f')} | {ratio(base, t)} |", flush=True)
     del sets
     torch.cuda.empty_cache()
+
+
+def _with_decode_tile(tile, head_dim):
+    """A context in which paged decode-shaped calls (bf16) run the decode tile `tile` =
+    (warps_m, m_tiles, block_n, stages) instead of VarlenSpec.default_tile."""
+    import contextlib
+
+    from jitattn.jit.loader import get_module
+    from jitattn.kernel import OpKernel
+    from jitattn.varlen import forward
+    from jitattn.varlen.spec import VarlenSpec
+
+    @contextlib.contextmanager
+    def ctx():
+        saved = {}
+        for paged in (True, False):
+            spec = VarlenSpec(head_dim, "bfloat16", paged, True, *tile)
+            key = (head_dim, BF16, paged, True, False)
+            saved[key] = forward._kernels.get(key)
+            forward._kernels[key] = (OpKernel(get_module(spec)), spec.block_m, spec.block_n)
+        try:
+            yield
+        finally:
+            for key, entry in saved.items():
+                forward._kernels.pop(key)
+                if entry is not None:
+                    forward._kernels[key] = entry
+
+    return ctx()
 
 
 # ---------------------------------------------------------------- (c) skewed batch
@@ -475,6 +524,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer timed calls (10 instead of 30)")
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
+    parser.add_argument("--decode-tiles", nargs="*", metavar="WM,MT,N,S",
+                        help="paged decode: also time these (warps_m, m_tiles, block_n, stages) decode tiles "
+                             "(compiled on first use) at num_splits None, 2 and 4")
     parser.add_argument("--bwd-tiles", nargs="*", metavar="N,M,Q",
                         help="backward: also time these (block_n, block_m, warps_q) tiles (prebuilt)")
     parser.add_argument("--bwd-variants", nargs="*", default=["other", "mma", "det", "peers", "skewed"],

@@ -34,7 +34,7 @@ class VarlenSpec(KernelSpec):
     dtype: str = "float16"
     paged: bool = False
     decode: bool = False
-    warps_m: int = 0  # warps along the query rows (decode shapes: 1, and 4 warps along the keys)
+    warps_m: int = 0  # warps along the query rows (decode shapes: 1, and block_n / 16 warps along the keys)
     m_tiles: int = 0  # 16-row MMA tiles per warp
     block_n: int = 0  # keys per pipeline stage
     stages: int = 0   # cp.async pipeline depth
@@ -49,6 +49,9 @@ class VarlenSpec(KernelSpec):
         for name, value in zip(("warps_m", "m_tiles", "block_n", "stages"), tile):
             if getattr(self, name) == 0:
                 object.__setattr__(self, name, value)
+        if self.decode and (self.block_n % 16 or not 32 <= self.block_n <= 256):
+            raise ValueError(f"varlen decode tiles give each warp 16 keys: block_n a multiple of 16 in [32, 256] "
+                             f"(got {self.block_n})")
 
     @classmethod
     def prewarm_variants(cls, fields: dict, archs: tuple[str, ...]) -> list[dict]:
@@ -102,7 +105,8 @@ class VarlenSpec(KernelSpec):
 
     @property
     def warps_n(self) -> int:
-        return 4 if self.decode else 1
+        """Warps along a tile's keys: decode shapes give each warp 16 keys of every tile."""
+        return self.block_n // 16 if self.decode else 1
 
     @property
     def block_m(self) -> int:
