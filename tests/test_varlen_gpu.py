@@ -159,7 +159,7 @@ def test_decode_batch_matches_reference(case):
 
 # Decode tiles other than the default (each warp takes 16 keys of a tile: block_n / 16 warps),
 # as tools/bench_varlen.py --decode-tiles times them; cache/gpu-tests.toml holds them.
-DECODE_TILES = [(1, 1, 32, 6), (1, 1, 48, 4), (1, 1, 64, 3), (1, 1, 128, 3)]
+DECODE_TILES = [(1, 1, 32, 3), (1, 1, 32, 6), (1, 1, 48, 4), (1, 1, 64, 3), (1, 1, 128, 3)]
 
 
 @pytest.mark.parametrize("paged", [False, True])

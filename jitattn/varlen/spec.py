@@ -100,7 +100,7 @@ class VarlenSpec(KernelSpec):
         if wgmma:
             return {64: (8, 1, 64, 3), 128: (8, 1, 128, 3)}.get(head_dim, (8, 1, 48, 3))
         if decode:
-            return (1, 1, 64, 3 if head_dim <= 128 else 2)
+            return (1, 1, 32, 3) if head_dim == 128 else (1, 1, 64, 3 if head_dim < 128 else 2)
         return (4, 2, 64, 2) if head_dim <= 128 else (8, 1, 64, 2)
 
     @property
