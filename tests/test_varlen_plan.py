@@ -80,8 +80,9 @@ def test_a_small_decode_batch_splits_the_keys_to_fill_half_a_wave(launches):
 
 
 def test_splits_never_make_chunks_shorter_than_two_tiles(launches):
-    _, run = launch(launches, **batch([1], [300]))  # 8 CTAs; 300 keys are 5 tiles of 64
-    assert run["splits"] == math.ceil(300 / (64 * plan.MIN_SPLIT_TILES)) == 3
+    spec, run = launch(launches, **batch([1], [300]))  # 8 CTAs; 300 keys are 10 tiles of 32 (D128)
+    assert spec.block_n == 32
+    assert run["splits"] == math.ceil(300 / (spec.block_n * plan.MIN_SPLIT_TILES)) == 5
 
 
 def test_automatic_splits_are_counted_per_sequence_and_explicit_ones_kept(launches):
@@ -99,20 +100,21 @@ def test_max_k_slack_never_changes_a_sequences_split(launches):
     sequences: the grids differ, and each sequence's own count, min(grid, ceil(tiles / 2)), is
     the same, because its own bound never exceeds the max_k bound of the grid (its keys are at
     most max_k). The kernel's bits are compared in tests/test_varlen_dropin_gpu.py."""
-    packed = launch(launches, **batch([1, 1], [127, 100]))[1]
+    spec, packed = launch(launches, **batch([1, 1], [127, 100]))
+    tile = spec.block_n  # 32 at D128
     args = batch([1, 1], [127, 100])
     pool = torch.zeros(4, 256, 8, 128, dtype=torch.bfloat16)
     args.update(key=pool, value=pool.clone(), cu_seq_k=None, max_k=256,
                 seqused_k=torch.tensor([127, 100], dtype=torch.int32),
                 block_table=torch.tensor([[0], [2]], dtype=torch.int32))
     paged = launch(launches, **args)[1]
-    assert (packed["splits"], paged["splits"]) == (1, 2)  # the grids' room follows max_k
-    own = lambda k_len, grid: max(1, min(grid, math.ceil(math.ceil(k_len / 64) / plan.MIN_SPLIT_TILES)))
-    assert [own(n, packed["splits"]) for n in (127, 100)] == [own(n, paged["splits"]) for n in (127, 100)] == [1, 1]
+    assert (packed["splits"], paged["splits"]) == (2, 4)  # the grids' room follows max_k
+    own = lambda k_len, grid: max(1, min(grid, math.ceil(math.ceil(k_len / tile) / plan.MIN_SPLIT_TILES)))
+    assert [own(n, packed["splits"]) for n in (127, 100)] == [own(n, paged["splits"]) for n in (127, 100)] == [2, 2]
     for max_k in range(0, 3000, 13):
         for k_len in range(0, max_k + 1, 11):
-            tiles = math.ceil(k_len / 64)
-            assert math.ceil(tiles / plan.MIN_SPLIT_TILES) <= max(1, math.ceil(max_k / (64 * plan.MIN_SPLIT_TILES)))
+            tiles = math.ceil(k_len / tile)
+            assert math.ceil(tiles / plan.MIN_SPLIT_TILES) <= max(1, math.ceil(max_k / (tile * plan.MIN_SPLIT_TILES)))
 
 
 def test_prefill_batches_take_the_prefill_shape_and_never_split(launches):
