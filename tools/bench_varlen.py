@@ -247,7 +247,7 @@ def _with_decode_tile(tile, head_dim):
         saved = {}
         for paged in (True, False):
             spec = VarlenSpec(head_dim, "bfloat16", paged, True, *tile)
-            key = (head_dim, BF16, paged, True, False)
+            key = (head_dim, BF16, paged, True, False, False)  # forward._kernels: ..., decode, wgmma, soft cap
             saved[key] = forward._kernels.get(key)
             forward._kernels[key] = (OpKernel(get_module(spec)), spec.block_m, spec.block_n)
         try:

@@ -97,8 +97,8 @@ class VarlenSpec(KernelSpec):
         64 x 4k, 32/8, page 16, cold L2, two runs): paged 262-264 us against 275-279 for 64 x 3
         (2 CTAs per SM), 387 for 32 x 6, 331-347 for 48 x 4 and 128 x 3; packed keys 240-245
         against 240-247. Other head dims keep 64 keys x 3 stages (2 at D256; 4 stages had left
-        one CTA per SM: -37%), not re-measured. The wgmma rung (two warpgroups of 64 rows) measured best at 64 keys x 3
-        stages for D64 (2 CTAs per SM; 128 keys: -20%), and, with its producer warpgroup, 128
+        one CTA per SM: -37%), not re-measured. The wgmma rung (two warpgroups of 64 rows)
+        measured best at 64 keys x 3 stages for D64 (2 CTAs per SM; 128 keys: -20%), and, with its producer warpgroup, 128
         keys x 3 stages for D128 (64 or 96 keys: -7 to -18%; 2 stages: -22%) and 48 keys x 3
         stages for D256 (64 or 80 keys fit only 2 stages: -20%)."""
         if wgmma:
