@@ -4,6 +4,8 @@ the same run.
 (a) prefill: bf16, batch 8 x 4096 tokens, D*H = 2048 (D64 x 32 heads, D128 x 16, D256 x 8),
     causal and non-causal; TFLOP/s count only unmasked work (4*T^2*D*H per sequence, half that
     causal). Peers: torch.nn.attention.varlen.varlen_attn and SDPA on (8, H, 4096, D).
+(a') paged prefill: the D128 prefill rows with K/V in a page pool (page 16 and 256, pages a random
+    permutation), beside the same keys contiguous and the peers (`--parts paged-prefill`).
 (b) paged decode: 64 sequences x 4096 keys, 32 query / 8 KV heads, D128 bf16, page size 16, pages
     a random permutation of the pool, max_q=1, seqused_k=4096; us and TB/s (K+V pages read + q +
     out). Peer: SDPA (enable_gqa, or KV heads repeated outside the timing) on the dense
@@ -21,7 +23,7 @@ the same run.
     batch of (c) (causal D128 16 heads, lengths 128..16384) forward + backward vs torch's.
 CUDA-event timing of device time (host time hidden), warm-up, cold L2 (each timed call reads a
 different input set, the sets together >= 256 MB), median of the timed calls.
-Run: python tools/bench_varlen.py [--quick] [--parts prefill decode skewed host backward]
+Run: python tools/bench_varlen.py [--quick] [--parts prefill paged-prefill decode skewed host backward]
      [--decode-tiles 1,1,32,6 1,1,64,3 ...]
      [--bwd-tiles 128,64,1 64,64,2 ...] [--bwd-variants other mma det peers skewed]
      [--bwd-producer auto|on|off] [--softcap CAP]
@@ -157,6 +159,61 @@ def bench_prefill(args):
                       f"| {ratio(t_cap, t_sdpa)} (cost {ratio(t_ours, t_cap)}) |", flush=True)
         del sets
         torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- (a') paged prefill
+def bench_paged_prefill(args):
+    """The prefill rows at D128 with K/V in a page pool (pages a random permutation), page 16
+    and 256, beside the same keys contiguous and the peers on the contiguous keys."""
+    batch, seq, head_dim, heads = 8, 4096, 128, 16
+    tokens = batch * seq
+    fn, params = torch_varlen()
+    cu_seq = cu([seq] * batch)
+    used = torch.full((batch,), seq, dtype=torch.int32, device="cuda")
+    sets = []
+    for _ in range(sets_needed(6 * tokens * heads * head_dim * 2)):  # q, k, v, out, and a pool of k, v
+        q, k, v = (torch.randn(tokens, heads, head_dim, device="cuda", dtype=BF16) for _ in range(3))
+        sdpa = [t.view(batch, seq, heads, head_dim).transpose(1, 2).contiguous() for t in (q, k, v)]
+        pools = {}
+        for page in (16, 256):
+            pages = tokens // page
+            order = torch.randperm(pages, device="cuda")
+            pool_k, pool_v = (torch.empty(pages, page, heads, head_dim, device="cuda", dtype=BF16) for _ in range(2))
+            pool_k[order] = k.view(pages, page, heads, head_dim)  # logical page i of the batch lives at order[i]
+            pool_v[order] = v.view(pages, page, heads, head_dim)
+            pools[page] = (pool_k, pool_v, order.to(torch.int32).view(batch, seq // page))
+        sets.append((q, k, v, sdpa, pools))
+    print(f"\n### paged prefill: bf16 D{head_dim}, {heads} heads, {batch} x {seq} tokens, pages a random "
+          "permutation of the pool; TFLOP/s as the prefill rows\n")
+    print("| causal | contiguous TFLOP/s | page 16 TFLOP/s (vs contiguous) | page 256 TFLOP/s (vs contiguous) "
+          "| torch varlen TFLOP/s | SDPA TFLOP/s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for causal in (False, True):
+        window = (-1, 0) if causal else (-1, -1)
+        flops = batch * 4 * seq * seq * head_dim * heads * (0.5 if causal else 1.0)
+        contiguous = [lambda s=s: jitattn.varlen_attn(s[0], s[1], s[2], cu_seq, cu_seq, seq, seq, window_size=window)
+                      for s in sets]
+
+        def paged(page):
+            return [lambda s=s: jitattn.varlen_attn(s[0], s[4][page][0], s[4][page][1], cu_seq, None, seq, seq,
+                                                    window_size=window, seqused_k=used, block_table=s[4][page][2])
+                    for s in sets]
+
+        for page in (16, 256):
+            sanity(paged(page)[0](), contiguous[0], f"paged prefill page {page} causal={causal} vs contiguous")
+        kw = torch_window_kwargs(params, causal)
+        theirs = ([lambda s=s: fn(s[0], s[1], s[2], cu_seq, cu_seq, seq, seq, **kw) for s in sets]
+                  if fn is not None and kw is not None else [])
+        sdpa = [lambda s=s: F.scaled_dot_product_attention(*s[3], is_causal=causal) for s in sets]
+        times = [timed(contiguous, args, "jitattn"), timed(paged(16), args, "jitattn page 16"),
+                 timed(paged(256), args, "jitattn page 256"), timed(theirs, args, "torch varlen_attn"),
+                 timed(sdpa, args, "SDPA")]
+        tf = [None if t is None else flops / t / 1e6 for t in times]
+        vs = lambda t: "-" if t is None or times[0] is None else f"{times[0] / t:.2f}x"
+        print(f"| {causal} | {fmt(tf[0])} | {fmt(tf[1])} ({vs(times[1])}) | {fmt(tf[2])} ({vs(times[2])}) "
+              f"| {fmt(tf[3])} | {fmt(tf[4])} |", flush=True)
+    del sets
+    torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------- (b) paged decode
@@ -516,7 +573,7 @@ def bench_backward_skewed(args):
     torch.cuda.empty_cache()
 
 
-PARTS = {"prefill": bench_prefill, "decode": bench_decode, "skewed": bench_skewed, "host": bench_host,
+PARTS = {"prefill": bench_prefill, "paged-prefill": bench_paged_prefill, "decode": bench_decode, "skewed": bench_skewed, "host": bench_host,
          "backward": bench_backward}
 
 
