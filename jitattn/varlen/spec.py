@@ -40,6 +40,8 @@ class VarlenSpec(KernelSpec):
     stages: int = 0   # cp.async pipeline depth
     wgmma: bool = False  # Hopper rung (after the tiles, so positional tiles keep their places)
     soft_cap: bool = False  # logits cap * tanh(scale * s / cap); the cap is a runtime argument
+    pingpong: bool | None = None  # wgmma with the producer: the warpgroups take turns on the GEMMs
+    overlap: bool | None = None   # wgmma with the producer: softmax of S_j under O += P_{j-1} V_{j-1}
 
     def __post_init__(self):
         if self.wgmma and not self.wgmma_fits(self.head_dim, self.decode):
@@ -52,6 +54,13 @@ class VarlenSpec(KernelSpec):
         if self.decode and (self.block_n % 16 or not 32 <= self.block_n <= 256):
             raise ValueError(f"varlen decode tiles give each warp 16 keys: block_n a multiple of 16 in [32, 256] "
                              f"(got {self.block_n})")
+        schedule = self.default_schedule(self.head_dim, self.wgmma)
+        for name, value in zip(("pingpong", "overlap"), schedule):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+            elif getattr(self, name) and not self.has_producer:
+                raise ValueError(f"varlen {name}=True schedules the wgmma rung's producer warpgroup, which head_dim "
+                                 f">= 128 has (got head_dim={self.head_dim}, wgmma={self.wgmma})")
 
     @classmethod
     def prewarm_variants(cls, fields: dict, archs: tuple[str, ...]) -> list[dict]:
@@ -107,6 +116,19 @@ class VarlenSpec(KernelSpec):
             return (1, 1, 32, 3) if head_dim == 128 else (1, 1, 64, 3 if head_dim < 128 else 2)
         return (4, 2, 64, 2) if head_dim <= 128 else (8, 1, 64, 2)
 
+    @staticmethod
+    def default_schedule(head_dim: int, wgmma: bool) -> tuple[bool, bool]:
+        """(pingpong, overlap): how the wgmma rung's two compute warpgroups order their GEMMs
+        (templates/varlen/kernels.cu.j2, PINGPONG and OVERLAP); only shapes with the producer
+        warpgroup (head_dim >= 128) have them."""
+        return (False, False)
+
+    @property
+    def has_producer(self) -> bool:
+        """The wgmma rung hands K/V copies to a producer warpgroup from head_dim 128 (the template's
+        PRODUCER)."""
+        return self.wgmma and self.head_dim >= 128
+
     @property
     def warps_n(self) -> int:
         """Warps along a tile's keys: decode shapes give each warp 16 keys of every tile."""
@@ -125,6 +147,7 @@ class VarlenSpec(KernelSpec):
     @property
     def name(self) -> str:
         tile = f"m{self.warps_m}x{self.m_tiles}n{self.block_n}s{self.stages}"
+        tile += ("_pingpong" if self.pingpong else "") + ("_overlap" if self.overlap else "")
         return (f"varlen_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{'_paged' if self.paged else ''}"
                 f"_{'decode' if self.decode else 'prefill'}{'_wgmma' if self.wgmma else ''}"
                 f"{'_cap' if self.soft_cap else ''}_{tile}")
