@@ -1,0 +1,121 @@
+"""The wgmma prefill forward's GEMM schedules (VarlenSpec pingpong / overlap) side by side.
+
+As a benchmark: bf16 8 x 4096 tokens, D*H = 2048, causal and full, each schedule of the D128 and
+D256 kernels (D64 has no producer warpgroup, so no schedule) beside SDPA in the same run, after a
+float64-reference check of each schedule on a ragged causal / windowed / GQA / paged batch.
+  python tools/fwd_schedule.py [--quick] [--head-dims 128 256]
+As a pytest plugin: FWD_SCHEDULE=pingpong,overlap (any subset; "none" for neither) python -m
+pytest -p fwd_schedule ... (tools/ on sys.path) runs every call on that schedule instead of the
+spec's default, so the GPU tests cover a schedule before it becomes one.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+
+SCHEDULES = {"default": None, "none": (False, False), "pingpong": (True, False), "overlap": (False, True),
+             "pingpong,overlap": (True, True)}
+
+
+def use_schedule(schedule: tuple[bool, bool] | None) -> None:
+    """Every later varlen call runs the wgmma kernels with producer on `schedule` (None: defaults)."""
+    from jitattn.varlen import forward, spec
+
+    forward._kernels.clear()
+    if schedule is None:
+        forward.VarlenSpec = spec.VarlenSpec
+        return
+
+    def make(*args, **kwargs):
+        made = spec.VarlenSpec(*args, **kwargs)
+        if not made.has_producer:
+            return made
+        return dataclasses.replace(made, pingpong=schedule[0], overlap=schedule[1])
+
+    forward.VarlenSpec = make
+
+
+def pytest_configure(config):
+    name = os.environ.get("FWD_SCHEDULE")
+    if name:
+        use_schedule(SCHEDULES[name])
+
+
+def check_schedule(head_dim: int) -> float:
+    """Worst relative error against the float64 reference over a few batches that reach every
+    path the schedule changes: first/last tiles, masked edges, empty sequences, paging, GQA."""
+    import torch
+
+    from tests.varlen_utils import check, make_batch, reference, run
+
+    worst = 0.0
+    cases = [([1, 77, 300, 1024, 0, 513], [1, 77, 300, 1024, 5, 700], 8, 8, False, (-1, 0), None),
+             ([256, 1000, 64], [256, 1500, 64], 8, 2, True, (128, 0), None),
+             ([900, 33], [900, 2000], 16, 2, True, (-1, -1), 2),
+             ([640, 1], [640, 4096], 8, 8, False, (37, 11), 1)]
+    for i, (len_q, len_k, h_q, h_kv, paged, window, splits) in enumerate(cases):
+        b = make_batch(len_q, len_k, h_q, h_kv, head_dim, torch.bfloat16, seed=i, paged=paged, page_size=16)
+        out, lse = run(b, window=window, num_splits=splits, want_lse=True)
+        ref = reference(b, window)
+        check(b, out, lse, ref, f"d{head_dim} case {i}")  # raises on a wrong row
+        err = ((out.double() - ref[0]).nan_to_num().norm() / ref[0].nan_to_num().norm().clamp_min(1e-30)).item()
+        worst = max(worst, err)
+    return worst
+
+
+def main():
+    import torch
+    import torch.nn.functional as F
+
+    import jitattn
+    from bench_util import sets_needed, time_us
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 256])
+    parser.add_argument("--schedules", nargs="+", default=["none", "pingpong", "overlap", "pingpong,overlap"])
+    args = parser.parse_args()
+    reps = 10 if args.quick else 30
+    bf16, batch, seq = torch.bfloat16, 8, 4096
+    cu_seq = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device="cuda")
+    for name in args.schedules:
+        use_schedule(SCHEDULES[name])
+        for d in args.head_dims:
+            try:
+                print(f"check {name} d{d}: ok, worst rel err {check_schedule(d):.2e}", flush=True)
+            except AssertionError as exc:
+                print(f"check {name} d{d}: FAILED {str(exc)[:300]}", flush=True)
+    print("\n| D | causal | " + " | ".join(f"{n} TFLOP/s" for n in args.schedules) + " | SDPA TFLOP/s | best / SDPA |")
+    print("|---:|---|" + "---:|" * (len(args.schedules) + 2))
+    for head_dim in args.head_dims:
+        heads, tokens = 2048 // head_dim, batch * seq
+        sets = []
+        for _ in range(sets_needed(4 * tokens * heads * head_dim * 2)):
+            q, k, v = (torch.randn(tokens, heads, head_dim, device="cuda", dtype=bf16) for _ in range(3))
+            sets.append((q, k, v, [t.view(batch, seq, heads, head_dim).transpose(1, 2).contiguous() for t in (q, k, v)]))
+        for causal in (False, True):
+            window = (-1, 0) if causal else (-1, -1)
+            flops = batch * 4 * seq * seq * head_dim * heads * (0.5 if causal else 1.0)
+            row = []
+            for name in args.schedules:
+                use_schedule(SCHEDULES[name])
+                fns = [lambda s=s: jitattn.varlen_attn(s[0], s[1], s[2], cu_seq, cu_seq, seq, seq, window_size=window)
+                       for s in sets]
+                row.append(flops / time_us(fns, warmup=5, reps=reps) / 1e6)
+            sdpa = [lambda s=s: F.scaled_dot_product_attention(*s[3], is_causal=causal) for s in sets]
+            peer = flops / time_us(sdpa, warmup=5, reps=reps) / 1e6
+            print(f"| {head_dim} | {causal} | " + " | ".join(f"{x:.1f}" for x in row) +
+                  f" | {peer:.1f} | {max(row) / peer:.2f}x |", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    use_schedule(None)
+
+
+if __name__ == "__main__":
+    main()
