@@ -4,7 +4,9 @@ As a benchmark: bf16 8 x 4096 tokens, D*H = 2048, causal and full, each schedule
 D256 kernels (D64 has no producer warpgroup, so no schedule) beside SDPA in the same run, after a
 float64-reference check of each schedule on a ragged causal / windowed / GQA / paged batch.
   python tools/fwd_schedule.py [--quick] [--head-dims 128 256]
-As a pytest plugin: FWD_SCHEDULE=pingpong,overlap (any subset; "none" for neither) python -m
+Variants (--schedules) are "none", "pingpong", "overlap", "pingpong,overlap", "default", each
+optionally for one head_dim and with tile fields: "d128:block_n=96,stages=4,pingpong".
+As a pytest plugin: FWD_SCHEDULE=<variant> python -m
 pytest -p fwd_schedule ... (tools/ on sys.path) runs every call on that schedule instead of the
 spec's default, so the GPU tests cover a schedule before it becomes one.
 """
@@ -19,32 +21,40 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
-SCHEDULES = {"default": None, "none": (False, False), "pingpong": (True, False), "overlap": (False, True),
-             "pingpong,overlap": (True, True)}
+def parse(variant: str) -> tuple[int | None, dict]:
+    """"pingpong,overlap" / "none" / "default", optionally "d128:" first and tile fields
+    ("d128:block_n=96,stages=4,pingpong"): (head_dim it is for or None, VarlenSpec overrides)."""
+    head_dim, _, fields = variant.rpartition(":")
+    overrides = {"pingpong": False, "overlap": False} if fields != "default" else {}
+    for item in fields.split(","):
+        if item in ("pingpong", "overlap"):
+            overrides[item] = True
+        elif "=" in item:
+            name, value = item.split("=")
+            overrides[name] = int(value)
+    return (int(head_dim[1:]) if head_dim else None), overrides
 
 
-def use_schedule(schedule: tuple[bool, bool] | None) -> None:
-    """Every later varlen call runs the wgmma kernels with producer on `schedule` (None: defaults)."""
+def use_schedule(variant: str) -> None:
+    """Every later varlen call runs the wgmma kernels with producer as `variant` says (parse)."""
     from jitattn.varlen import forward, spec
 
     forward._kernels.clear()
-    if schedule is None:
-        forward.VarlenSpec = spec.VarlenSpec
-        return
+    head_dim, overrides = parse(variant)
 
     def make(*args, **kwargs):
         made = spec.VarlenSpec(*args, **kwargs)
-        if not made.has_producer:
+        if not made.has_producer or head_dim not in (None, made.head_dim):
             return made
-        return dataclasses.replace(made, pingpong=schedule[0], overlap=schedule[1])
+        return dataclasses.replace(made, **overrides)
 
-    forward.VarlenSpec = make
+    forward.VarlenSpec = make if overrides else spec.VarlenSpec
 
 
 def pytest_configure(config):
     name = os.environ.get("FWD_SCHEDULE")
     if name:
-        use_schedule(SCHEDULES[name])
+        use_schedule(name)
 
 
 def check_schedule(head_dim: int) -> float:
@@ -85,8 +95,10 @@ def main():
     bf16, batch, seq = torch.bfloat16, 8, 4096
     cu_seq = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device="cuda")
     for name in args.schedules:
-        use_schedule(SCHEDULES[name])
+        use_schedule(name)
         for d in args.head_dims:
+            if parse(name)[0] not in (None, d):
+                continue
             try:
                 print(f"check {name} d{d}: ok, worst rel err {check_schedule(d):.2e}", flush=True)
             except AssertionError as exc:
@@ -104,17 +116,21 @@ def main():
             flops = batch * 4 * seq * seq * head_dim * heads * (0.5 if causal else 1.0)
             row = []
             for name in args.schedules:
-                use_schedule(SCHEDULES[name])
+                if parse(name)[0] not in (None, head_dim):
+                    row.append(None)
+                    continue
+                use_schedule(name)
                 fns = [lambda s=s: jitattn.varlen_attn(s[0], s[1], s[2], cu_seq, cu_seq, seq, seq, window_size=window)
                        for s in sets]
                 row.append(flops / time_us(fns, warmup=5, reps=reps) / 1e6)
             sdpa = [lambda s=s: F.scaled_dot_product_attention(*s[3], is_causal=causal) for s in sets]
             peer = flops / time_us(sdpa, warmup=5, reps=reps) / 1e6
-            print(f"| {head_dim} | {causal} | " + " | ".join(f"{x:.1f}" for x in row) +
-                  f" | {peer:.1f} | {max(row) / peer:.2f}x |", flush=True)
+            best = max(x for x in row if x is not None)
+            print(f"| {head_dim} | {causal} | " + " | ".join("-" if x is None else f"{x:.1f}" for x in row) +
+                  f" | {peer:.1f} | {best / peer:.2f}x |", flush=True)
         del sets
         torch.cuda.empty_cache()
-    use_schedule(None)
+    use_schedule("default")
 
 
 if __name__ == "__main__":
