@@ -548,6 +548,29 @@ def test_wgmma_varlen_spec_renders_and_targets_sm90a(head_dim):
     assert VarlenSpec(head_dim=head_dim).archs_for(("9.0a",)) == ("9.0",)  # mma.sync: plain sm_90
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_wgmma_schedules_are_spec_fields_that_round_trip(head_dim):
+    base = VarlenSpec(head_dim=head_dim, dtype="bfloat16", wgmma=True)
+    assert (base.pingpong, base.overlap) == VarlenSpec.default_schedule(head_dim, True)  # None: the default
+    variants = [dataclasses.replace(base, pingpong=pp, overlap=ov) for pp in (False, True) for ov in (False, True)]
+    target = keys.BuildTarget(("9.0",), "13.0.88", "gcc 12.2.0")
+    assert len({v.name for v in variants}) == len({keys.key_of(keys.components(v, target)) for v in variants}) == 4
+    for v in variants:
+        assert spec_from_dict(v.to_dict()) == v and isinstance(v.to_dict()["pingpong"], bool)
+        kernels = render.render(v, "ns")["kernels.cu"]
+        assert not JINJA_LEFTOVER.search(kernels)
+        assert f"constexpr bool PINGPONG = {'true' if v.pingpong else 'false'};" in kernels
+        assert f"constexpr bool OVERLAP = {'true' if v.overlap else 'false'};" in kernels
+    assert variants[3].name.endswith("_pingpong_overlap")
+
+
+@pytest.mark.parametrize("fields", [dict(head_dim=64, wgmma=True), dict(head_dim=128)])
+def test_wgmma_schedules_need_the_producer_warpgroup(fields):
+    assert VarlenSpec(**fields, pingpong=False).pingpong is False
+    with pytest.raises(ValueError, match="producer warpgroup"):
+        VarlenSpec(**fields, pingpong=True)
+
+
 @pytest.mark.parametrize("head_dim, decode", [(96, False), (128, True)])
 def test_wgmma_varlen_spec_rejects_shapes_it_does_not_cover(head_dim, decode):
     with pytest.raises(ValueError, match="wgmma varlen kernels are prefill-only"):

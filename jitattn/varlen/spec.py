@@ -120,7 +120,12 @@ class VarlenSpec(KernelSpec):
     def default_schedule(head_dim: int, wgmma: bool) -> tuple[bool, bool]:
         """(pingpong, overlap): how the wgmma rung's two compute warpgroups order their GEMMs
         (templates/varlen/kernels.cu.j2, PINGPONG and OVERLAP); only shapes with the producer
-        warpgroup (head_dim >= 128) have them."""
+        warpgroup (head_dim >= 128) have them. Off everywhere: on the H200 (bf16 8 x 4k, full /
+        causal TFLOP/s, same run, tools/fwd_schedule.py) D128 603 / 495 without, 595 / 495
+        pingpong, 592 / 496 overlap, 525 / 478 both; D256 573 / 516, 570 / 515, 567 / 505,
+        508 / 479. Our reading (not profiled per warp): the two warpgroups, each on its own
+        mbarriers, already drift apart so that one's softmax runs under the other's GEMMs, and
+        the turns and the held P only add waits and registers (notes/forward-h200.md)."""
         return (False, False)
 
     @property
