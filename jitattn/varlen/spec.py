@@ -40,8 +40,8 @@ class VarlenSpec(KernelSpec):
     stages: int = 0   # cp.async pipeline depth
     wgmma: bool = False  # Hopper rung (after the tiles, so positional tiles keep their places)
     soft_cap: bool = False  # logits cap * tanh(scale * s / cap); the cap is a runtime argument
-    pingpong: bool | None = None  # wgmma with the producer: the warpgroups take turns on the GEMMs
-    overlap: bool | None = None   # wgmma with the producer: softmax of S_j under O += P_{j-1} V_{j-1}
+    pingpong: bool = False  # wgmma with the producer: the warpgroups take turns on the GEMMs
+    overlap: bool = False   # wgmma with the producer: softmax of S_j under O += P_{j-1} V_{j-1}
 
     def __post_init__(self):
         if self.wgmma and not self.wgmma_fits(self.head_dim, self.decode):
@@ -54,11 +54,8 @@ class VarlenSpec(KernelSpec):
         if self.decode and (self.block_n % 16 or not 32 <= self.block_n <= 256):
             raise ValueError(f"varlen decode tiles give each warp 16 keys: block_n a multiple of 16 in [32, 256] "
                              f"(got {self.block_n})")
-        schedule = self.default_schedule(self.head_dim, self.wgmma)
-        for name, value in zip(("pingpong", "overlap"), schedule):
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, value)
-            elif getattr(self, name) and not self.has_producer:
+        for name in ("pingpong", "overlap"):
+            if getattr(self, name) and not self.has_producer:
                 raise ValueError(f"varlen {name}=True schedules the wgmma rung's producer warpgroup, which head_dim "
                                  f">= 128 has (got head_dim={self.head_dim}, wgmma={self.wgmma})")
 
@@ -116,22 +113,16 @@ class VarlenSpec(KernelSpec):
             return (1, 1, 32, 3) if head_dim == 128 else (1, 1, 64, 3 if head_dim < 128 else 2)
         return (4, 2, 64, 2) if head_dim <= 128 else (8, 1, 64, 2)
 
-    @staticmethod
-    def default_schedule(head_dim: int, wgmma: bool) -> tuple[bool, bool]:
-        """(pingpong, overlap): how the wgmma rung's two compute warpgroups order their GEMMs
-        (templates/varlen/kernels.cu.j2, PINGPONG and OVERLAP); only shapes with the producer
-        warpgroup (head_dim >= 128) have them. Off everywhere: on the H200 (bf16 8 x 4k, full /
-        causal TFLOP/s, same run, tools/fwd_schedule.py) D128 603 / 495 without, 595 / 495
-        pingpong, 592 / 496 overlap, 525 / 478 both; D256 573 / 516, 570 / 515, 567 / 505,
-        508 / 479. Our reading (not profiled per warp): the two warpgroups, each on its own
-        mbarriers, already drift apart so that one's softmax runs under the other's GEMMs, and
-        the turns and the held P only add waits and registers (notes/forward-h200.md)."""
-        return (False, False)
-
     @property
     def has_producer(self) -> bool:
         """The wgmma rung hands K/V copies to a producer warpgroup from head_dim 128 (the template's
-        PRODUCER)."""
+        PRODUCER). Only those shapes have `pingpong` / `overlap`: how the two compute warpgroups
+        order their GEMMs (templates/varlen/kernels.cu.j2, PINGPONG and OVERLAP). Both default to
+        off (the old kernel) and no call turns them on: on the H200 (bf16 8 x 4k, full / causal
+        TFLOP/s, same run, tools/fwd_schedule.py) D128 603 / 495 without, 595 / 495 pingpong,
+        592 / 496 overlap, 525 / 478 both; D256 573 / 516, 570 / 515, 567 / 505, 508 / 479 (see
+        notes/forward-h200.md). A shape that gains from one would take it where the call's spec
+        is made (jitattn/varlen/forward.py), as `wgmma` is."""
         return self.wgmma and self.head_dim >= 128
 
     @property
