@@ -548,8 +548,8 @@ def test_hopper_runs_the_wgmma_rung_at_head_dim_64_and_128():
     for head_dim in (64, 128, 256):
         b = make_batch([40], [40], 2, 2, head_dim, BF16, seed=head_dim)
         run_backward(b, (-1, 0), grad_out_for(b, 0))
-        assert (head_dim, BF16, True) in launch._kernels
-        spec = launch._kernels[(head_dim, BF16, True)][1]
+        assert (head_dim, BF16, True, False) in launch._kernels  # (head_dim, dtype, wgmma allowed, soft cap)
+        spec = launch._kernels[(head_dim, BF16, True, False)][1]
         assert spec.wgmma is (head_dim != 256) and spec.producer is (head_dim in launch.PRODUCER_HEAD_DIMS)
 
 
