@@ -9,6 +9,15 @@ from jitattn.jit.registry import register
 from jitattn.jit.spec import DTYPE_TAGS, KernelSpec
 
 
+def _wgmma_archs(name: str, archs: tuple[str, ...]) -> tuple[str, ...]:
+    """The targets a wgmma kernel builds for: sm_90a for a '9.0' (or '9.0a') request; an error
+    naming the spec when no target is sm_90 (both families' Hopper rungs)."""
+    hopper = sorted({a.rstrip("a") + "a" for a in archs if a.rstrip("a") == "9.0"})
+    if not hopper:
+        raise ValueError(f"{name} uses wgmma, which only sm_90 (9.0a) has; target archs: {list(archs)}")
+    return tuple(hopper)
+
+
 @register
 @dataclass(frozen=True)
 class VarlenSpec(KernelSpec):
@@ -86,12 +95,7 @@ class VarlenSpec(KernelSpec):
     def archs_for(self, archs: tuple[str, ...]) -> tuple[str, ...]:
         """wgmma exists on sm_90 only, and only in the arch-specific target: a '9.0' request
         builds sm_90a; other archs cannot run this spec."""
-        if not self.wgmma:
-            return super().archs_for(archs)
-        hopper = sorted({a.rstrip("a") + "a" for a in archs if a.rstrip("a") == "9.0"})
-        if not hopper:
-            raise ValueError(f"{self.name} uses wgmma, which only sm_90 (9.0a) has; target archs: {list(archs)}")
-        return tuple(hopper)
+        return _wgmma_archs(self.name, archs) if self.wgmma else super().archs_for(archs)
 
     @staticmethod
     def default_tile(head_dim: int, decode: bool, wgmma: bool = False) -> tuple[int, int, int, int]:
@@ -244,12 +248,7 @@ class VarlenBackwardSpec(KernelSpec):
     def archs_for(self, archs: tuple[str, ...]) -> tuple[str, ...]:
         """wgmma exists on sm_90 only, and only in the arch-specific target: a '9.0' request
         builds sm_90a; other archs cannot run this spec. mma.sync builds plain archs."""
-        if not self.wgmma:
-            return super().archs_for(archs)
-        hopper = sorted({a.rstrip("a") + "a" for a in archs if a.rstrip("a") == "9.0"})
-        if not hopper:
-            raise ValueError(f"{self.name} uses wgmma, which only sm_90 (9.0a) has; target archs: {list(archs)}")
-        return tuple(hopper)
+        return _wgmma_archs(self.name, archs) if self.wgmma else super().archs_for(archs)
 
     @property
     def warps(self) -> int:
