@@ -244,6 +244,20 @@ def test_pack_with_specs_compares_the_whole_spec_not_the_name(tmp_path):
     assert report.packed == [] and report.missing == [SPEC_A]
 
 
+def test_pack_with_specs_skips_an_entry_built_from_older_templates(tmp_path):
+    root = tmp_path / "root"
+    # Same spec, but the templates changed since it was built: this tree would never load it.
+    old = make_entry(root, SPEC_A, templates="0" * 64)
+    report = artifact.pack(root, tmp_path / "x.tar", specs=[SPEC_A])
+    assert report.packed == [] and report.missing == [SPEC_A]
+    assert [r for r, _ in report.skipped] == [rel(old)] and "templates" in report.skipped[0][1]
+    current = make_entry(root, SPEC_A)
+    report = artifact.pack(root, tmp_path / "y.tar", specs=[SPEC_A])
+    assert [p.path for p in report.packed] == [rel(current)] and report.missing == []
+    # Without specs, nothing tells an old entry from a current one: both are packed.
+    assert len(artifact.pack(root, tmp_path / "z.tar").packed) == 2
+
+
 # ----------------------------------------------------------------------------- round trip
 
 

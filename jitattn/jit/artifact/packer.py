@@ -11,7 +11,7 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import IO
 
-from jitattn.jit import cache, keys
+from jitattn.jit import cache, keys, render
 from jitattn.jit.artifact.format import (FORMAT, FORMAT_VERSION, INDEX, SAFE_COMPONENT, PackedEntry, PackReport,
                                          inconsistent, read_json, stale)
 
@@ -21,8 +21,10 @@ def pack(roots_or_entries, out_path, specs=None, *, created: float | None = None
 
     `roots_or_entries`: a path or a list of paths; each is a cache root (its current-schema
     entries are taken) or one entry directory. With `specs` (KernelSpecs), only entries whose
-    manifest `components.spec` equals `spec.to_dict()` are packed, and specs with none are
-    reported as missing. Entries that do not verify are refused (reported, not packed); entries
+    manifest `components.spec` equals `spec.to_dict()` and whose `components.templates` is the
+    digest of today's templates for it are packed (an entry built from older templates is
+    skipped as stale: this tree would never load it), and specs with none are reported as
+    missing. Entries that do not verify are refused (reported, not packed); entries
     of another cache schema or binding ABI are skipped (this jitattn could not load them).
     With the same `created` and the same entries, the archive is byte-for-byte the same.
     """
@@ -31,7 +33,7 @@ def pack(roots_or_entries, out_path, specs=None, *, created: float | None = None
         roots_or_entries = [roots_or_entries]
     created = time.time() if created is None else float(created)
     report = PackReport(out_path)
-    wanted = None if specs is None else [(s, s.to_dict()) for s in specs]
+    wanted = None if specs is None else [(s, s.to_dict(), render.spec_template_digest(s)) for s in specs]
     found: set[int] = set()  # indices into `wanted` that have at least one packed entry
 
     candidates: dict[str, Path] = {}
@@ -48,9 +50,13 @@ def pack(roots_or_entries, out_path, specs=None, *, created: float | None = None
     for rel, path in sorted(candidates.items()):
         manifest = read_json(path / cache.MANIFEST)
         if wanted is not None:
-            matches = [i for i, (spec, data) in enumerate(wanted) if _spec_of(manifest) == data]
-            named = any(path.name.rsplit("-", 1)[0] == spec.name for spec, _ in wanted)
-            if not matches and not named:
+            same_spec = [i for i, (_, data, _) in enumerate(wanted) if _spec_of(manifest) == data]
+            matches = [i for i in same_spec if _templates_of(manifest) == wanted[i][2]]
+            named = any(path.name.rsplit("-", 1)[0] == spec.name for spec, _, _ in wanted)
+            if not same_spec and not named:
+                continue
+            if same_spec and not matches:
+                report.skipped.append((rel, "built from other templates than this tree's (stale)"))
                 continue
         else:
             matches = []
@@ -85,7 +91,7 @@ def pack(roots_or_entries, out_path, specs=None, *, created: float | None = None
         report.packed.append(PackedEntry(rel, entry.key, entry.manifest.get("name"),
                                          sum(f["size"] for f in files.values())))
     if wanted is not None:
-        report.missing = [spec for i, (spec, _) in enumerate(wanted) if i not in found]
+        report.missing = [spec for i, (spec, _, _) in enumerate(wanted) if i not in found]
 
     index = {"format": FORMAT, "version": FORMAT_VERSION, "created": created,
              "schema": keys.CACHE_SCHEMA, "entries": index_entries}
@@ -96,6 +102,13 @@ def pack(roots_or_entries, out_path, specs=None, *, created: float | None = None
 def _spec_of(manifest) -> object:
     try:
         return manifest["components"]["spec"]
+    except (KeyError, TypeError):
+        return None
+
+
+def _templates_of(manifest) -> object:
+    try:
+        return manifest["components"]["templates"]
     except (KeyError, TypeError):
         return None
 
