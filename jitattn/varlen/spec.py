@@ -262,7 +262,7 @@ class VarlenBackwardSpec(KernelSpec):
         qt = self.block_m * row_chunks
         ds = self.block_n * self.block_m // 8
         p_tile = 2 if (self.warps_q == 2 and not self.wgmma) or self.producer else 1
-        dq = self.block_m * (self.head_dim + 4) * 4 if self.producer else 0
+        dq = 2 * self.block_m * self.head_dim * 4 if self.producer else 0  # two dQ hand-off buffers
         return (2 * kv + 4 * qt + p_tile * ds) * 16 + 4 * self.block_m * 4 + dq + (1024 if self.wgmma else 0)
 
     @property

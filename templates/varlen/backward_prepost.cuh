@@ -48,7 +48,8 @@ __global__ void __launch_bounds__(PRE_THREADS) varlen_bwd_pre(const BwdParams p)
   }
 }
 
-// dQ = scale * accumulator, in q's dtype, for every (token, head).
+// dQ = scale * accumulator, in q's dtype, for every (token, head) (DQ_SWIZZLE: its float4s
+// permuted within the row, as the main kernel's bulk add left them).
 __global__ void __launch_bounds__(256) varlen_bwd_post(const BwdParams p) {
   wait_for_prerequisite_grid();
   const int64_t idx = int64_t(blockIdx.x) * 256 + threadIdx.x;
@@ -56,8 +57,10 @@ __global__ void __launch_bounds__(256) varlen_bwd_post(const BwdParams p) {
   if (row >= int64_t(p.total_q) * p.num_heads_q) return;
   const int chunk = static_cast<int>(idx - row * CHUNKS);
   const int token = static_cast<int>(row / p.num_heads_q), head = static_cast<int>(row - int64_t(token) * p.num_heads_q);
-  const float4* src = reinterpret_cast<const float4*>(p.dq_accum + packed_row(p, token, head) * HEAD_DIM + chunk * 8);
-  const float4 x0 = src[0], x1 = src[1];
+  const int64_t prow = packed_row(p, token, head);
+  const float4* src = reinterpret_cast<const float4*>(p.dq_accum + prow * HEAD_DIM);
+  const int x = DQ_SWIZZLE ? static_cast<int>(prow & 7) : 0;  // float4 f of the row sits at f ^ x
+  const float4 x0 = src[(2 * chunk) ^ x], x1 = src[(2 * chunk + 1) ^ x];
   const float vals[8] = {x0.x * p.scale, x0.y * p.scale, x0.z * p.scale, x0.w * p.scale,
                          x1.x * p.scale, x1.y * p.scale, x1.z * p.scale, x1.w * p.scale};
   store_floats<T, 8>(static_cast<T*>(p.dq) + token * p.dq_stride_token + head * p.dq_stride_head + chunk * 8, vals);

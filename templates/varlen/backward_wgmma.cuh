@@ -9,63 +9,118 @@
 //   dS^T -> shared memory             both warpgroups' 64 keys, for dQ
 //   dQ   = dS K                       dS^T read transposed (MN-major A); each warpgroup
 //                                      head_dim / 2 columns of the tile's 64 rows
-//   dK  += dS^T Q                     dS^T from registers; runs on while dQ is added (fp32
-//                                      vector atomics, in key-tile order when deterministic)
-// Q, dO, lse and delta of the next query tile are copied (cp.async) while the current one
-// computes; K, V, Q, dO and dS^T sit in the 128-byte swizzle wgmma reads.
+//   dK  += dS^T Q                     dS^T from registers; runs on while dQ is handed off
+// K, V, Q, dO and dS^T sit in the 128-byte swizzle wgmma reads; Q and dO column block by
+// column block (64 head_dim columns of all BLOCK_M rows, then the next), the layout a TMA box
+// of 64 columns writes.
 //
-// PRODUCER adds a third warpgroup and takes two jobs off the compute warpgroups' path: two of
-// its warps copy the query tiles into a 2-stage ring (full / empty mbarriers, as in the
-// forward), the other two add each tile's dQ, which the compute warpgroups hand over as fp32
-// in shared memory (dq_full / dq_empty), to the accumulator (and keep the deterministic order:
-// the compute warpgroups never wait on another CTA). dS^T is double-buffered, so the compute
-// warpgroups meet at one barrier a tile. Registers move to them with setmaxnreg. Without
-// PRODUCER all 256 threads copy, add and meet at two CTA barriers a tile.
+// PRODUCER (FlashAttention-3's data movement) adds a third warpgroup; the compute warpgroups
+// then issue no copies and no atomics and meet at one named barrier a tile (dS^T written):
+//   warp 8  copies query tile i into stage i % STAGES of a ring (full / empty mbarriers): Q and
+//           dO by TMA (one thread; boxes of 64 columns x pack heads x BLOCK_M / pack tokens of
+//           a 4-D map), lse2 / delta by the warp's lanes; cp.async when no tensor map fits
+//           (BLOCK_M % pack, strides);
+//   warp 9  adds each tile's dQ, which the compute warpgroups write as fp32 into one of
+//           DQ_STAGES shared buffers (dq_full / dq_empty), to the accumulator with one bulk
+//           reduce-add (cp.reduce.async.bulk .add.f32) issued by one thread; in deterministic
+//           mode that thread waits for the tile's turn first, so the compute warpgroups never
+//           wait on another CTA unless both buffers are still pending.
+// The dQ buffers are a copy of the accumulator rows, whose float4s are XOR-swizzled by the
+// row's index (DQ_SWIZZLE: conflict-free fragment writes; the postprocess reads it back).
+// Without PRODUCER all 256 threads copy (cp.async), add (vector atomics) and meet at two CTA
+// barriers a tile.
 
 constexpr int WARPGROUPS = 2;                  // compute warpgroups
 constexpr int CONSUMERS = WARPGROUPS * 128;
 constexpr int THREADS = CONSUMERS + (PRODUCER ? 128 : 0);
-constexpr int LOADERS = 64, WRITERS = 64;      // PRODUCER: warps 8-9 copy, 10-11 add dQ
-constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+constexpr int LOADER_WARP = CONSUMERS / 32, WRITER_WARP = LOADER_WARP + 1;  // PRODUCER; warps 10-11 idle
+constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;  // ptxas: 4 bytes spilled at D128 (36 at 48 / 232, 288 at 72 / 216)
 static_assert(!PRODUCER || 128 * PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= 65536, "register budget");
 constexpr int WG_KEYS = BLOCK_N / WARPGROUPS;  // keys per warpgroup (the MMA's M)
 constexpr int Q_TILES = BLOCK_M / 8;           // n8 tiles of S^T per warp: every query of the tile
 constexpr int D_TILES = HEAD_DIM / 8;          // n8 tiles of dK / dV
 constexpr int DQ_N = HEAD_DIM / WARPGROUPS;    // dQ columns per warpgroup
 constexpr int DS_CHUNKS = BLOCK_M / 8;         // a row of dS^T: one swizzle atom wide
-constexpr int GROUP_BYTES = ROW_CHUNKS * 128;  // 8 rows of a K / V / Q / dO tile
-constexpr int ROWS16 = 2 * GROUP_BYTES / 16;   // 16 rows of a K / V / Q / dO tile, in uint4
+constexpr int GROUP_BYTES = ROW_CHUNKS * 128;  // 8 rows of a K / V tile
+constexpr int ROWS16 = 2 * GROUP_BYTES / 16;   // 16 rows of a K / V tile, in uint4
+constexpr int QBLOCK = BLOCK_M * 8;            // a 64-column block of a Q / dO tile, in uint4
 constexpr int KV_CHUNKS = BLOCK_N * ROW_CHUNKS;
 constexpr int QT_CHUNKS = BLOCK_M * ROW_CHUNKS;
 constexpr int DS_TILE = BLOCK_N * DS_CHUNKS;
+constexpr int STAGES = 2;                      // query tiles in flight (Q, dO, lse2, delta)
 constexpr int DS_STAGES = PRODUCER ? 2 : 1;
-constexpr int DQ_STRIDE = HEAD_DIM + 4;        // floats a row of the dQ hand-off tile (PRODUCER)
-constexpr int DQ_BYTES = PRODUCER ? BLOCK_M * DQ_STRIDE * 4 : 0;
+constexpr int DQ_STAGES = PRODUCER ? 2 : 0;
+constexpr int DQ_TILE = BLOCK_M * HEAD_DIM;    // floats of one dQ hand-off buffer
 // wgmma's atoms must be 1024-aligned: room to align the dynamic shared memory base.
-constexpr int SMEM_BYTES = (2 * KV_CHUNKS + 4 * QT_CHUNKS + DS_STAGES * DS_TILE) * 16 + 2 * 2 * BLOCK_M * 4 + DQ_BYTES + 1024;
+constexpr int SMEM_BYTES = (2 * KV_CHUNKS + 2 * STAGES * QT_CHUNKS + DS_STAGES * DS_TILE) * 16 +
+                           STAGES * 2 * BLOCK_M * 4 + DQ_STAGES * DQ_TILE * 4 + 1024;
 static_assert(BLOCK_N == 128 && BLOCK_M == 64, "wgmma rung: 2 warpgroups x 64 keys, 64 queries a step");
 static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 128, "wgmma rung: head_dim 64 or 128 (dK and dV in registers)");
 static_assert(ROW_CHUNKS == CHUNKS && DS_CHUNKS == 8, "whole swizzle atoms");
 static_assert(SMEM_BYTES <= 227 * 1024, "tile shape needs more shared memory than an SM has (227 KB)");
-static_assert(4 * QT_CHUNKS >= 2 * BLOCK_N * ROW_CHUNKS, "the dK / dV epilogue stages in the Q and dO buffers");
+static_assert(2 * STAGES * QT_CHUNKS >= 2 * BLOCK_N * ROW_CHUNKS, "the dK / dV epilogue stages in the Q and dO buffers");
 
 using Tiles = AtomSwizzle<ROW_CHUNKS>;
 using DsRows = RowSwizzle<DS_CHUNKS>;  // = AtomSwizzle<8>
+// Q / dO: 64-column blocks of all BLOCK_M rows, each block rows of one 128-byte swizzle row.
+struct QTiles {
+  __device__ __forceinline__ static int at(int row, int chunk) {
+    return (chunk / 8) * QBLOCK + row * 8 + ((chunk % 8) ^ (row % 8));
+  }
+};
 
 // Offset (uint4) of k16 step kt along a K-major tile's rows: 32 bytes within an atom's
-// 128-byte row, then the next atom.
+// 128-byte row, then the next atom (K / V), or the next column block (Q / dO).
 __device__ __forceinline__ int k_step(int kt) { return (kt / 4) * 64 + (kt % 4) * 2; }
+__device__ __forceinline__ int q_step(int kt) { return (kt / 4) * QBLOCK + (kt % 4) * 2; }
 
-__global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const BwdParams p) {
+// The main kernel's argument: with PRODUCER the tensor maps of Q and dO, (D, pack, H_kv, T_q)
+// with the strides of the tensors, boxes of 64 x pack x 1 x BLOCK_M / pack (tma: whether they
+// were encoded; else the loader warp copies with cp.async).
+struct BwdMain {
+  BwdParams p;
+  CUtensorMap q_map, do_map;
+  int tma;
+};
+
+// The host side of BwdMain: encodes the maps where the shape allows.
+inline BwdMain main_kernel_args(const BwdParams& p) {
+  BwdMain a;
+  a.p = p;
+  a.tma = 0;
+  if (!PRODUCER) return a;
+  const EncodeTiled encode = encode_tiled();
+  const int64_t e = sizeof(T);
+  auto encode_map = [&](CUtensorMap* map, const void* base, int64_t stride_token, int64_t stride_head) {
+    const bool fits = BLOCK_M % p.pack == 0 && reinterpret_cast<uintptr_t>(base) % 16 == 0 &&
+                      (stride_token * e) % 16 == 0 && (stride_head * e) % 16 == 0 && stride_head > 0;
+    if (!encode || !fits) return false;
+    const cuuint64_t dims[4] = {cuuint64_t(HEAD_DIM), cuuint64_t(p.pack), cuuint64_t(p.num_heads_kv),
+                                cuuint64_t(p.total_q)};
+    const cuuint64_t strides[3] = {cuuint64_t(stride_head * e), cuuint64_t(stride_head * p.pack * e),
+                                   cuuint64_t(stride_token * e)};
+    const cuuint32_t box[4] = {64, cuuint32_t(p.pack), 1, cuuint32_t(BLOCK_M / p.pack)};
+    const cuuint32_t unit[4] = {1, 1, 1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(base), dims, strides, box, unit,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  };
+  a.tma = encode_map(&a.q_map, p.q, p.q_stride_token, p.q_stride_head) &&
+          encode_map(&a.do_map, p.dout, p.dout_stride_token, p.dout_stride_head);
+  return a;
+}
+
+__global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__ BwdMain args) {
+  const BwdParams& p = args.p;
   extern __shared__ uint4 smem_base[];
   uint4* smem = smem_base + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_base)) & 1023)) & 1023) / 16;
   uint4* k_smem = smem;
   uint4* v_smem = k_smem + KV_CHUNKS;
-  uint4* q_smem = v_smem + KV_CHUNKS;        // [2 stages][BLOCK_M rows]
-  uint4* do_smem = q_smem + 2 * QT_CHUNKS;
-  uint4* ds_smem = do_smem + 2 * QT_CHUNKS;  // dS^T [DS_STAGES][BLOCK_N keys][BLOCK_M queries]
-  float* stats = reinterpret_cast<float*>(ds_smem + DS_STAGES * DS_TILE);  // [2 stages][lse2, delta][BLOCK_M]
-  float* dq_smem = stats + 2 * 2 * BLOCK_M;  // PRODUCER: [BLOCK_M][DQ_STRIDE]
+  uint4* q_smem = v_smem + KV_CHUNKS;             // [STAGES][QT_CHUNKS]
+  uint4* do_smem = q_smem + STAGES * QT_CHUNKS;
+  uint4* ds_smem = do_smem + STAGES * QT_CHUNKS;  // dS^T [DS_STAGES][BLOCK_N keys][BLOCK_M queries]
+  float* dq_smem = reinterpret_cast<float*>(ds_smem + DS_STAGES * DS_TILE);  // PRODUCER: [DQ_STAGES][DQ_TILE]
+  float* stats = dq_smem + DQ_STAGES * DQ_TILE;   // [STAGES][lse2, delta][BLOCK_M]
 
   Work w;
   if (!decode_work(p, w)) return;
@@ -73,75 +128,97 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const BwdParams p) {
   const int g = lane / 4, c = lane % 4;
   const int key0 = wg * WG_KEYS + (warp % 4) * 16;  // this warp's 16 accumulator rows (keys)
   const int tiles = w.m_end - w.m_begin;
+  // First accumulator row of this (sequence, KV head): tile m's rows follow at m * BLOCK_M.
+  const int64_t row0 = int64_t(w.kv_head) * p.dq_rows + int64_t(w.q_start) * p.pack;
 
-  // PRODUCER's hand-offs. full[s] / empty[s]: query tile stage s copied / free again (every
-  // compute warp is done with it). dq_full / dq_empty: a tile's dQ is in dq_smem / was added.
+  // PRODUCER's hand-offs. full[s] / empty[s]: query tile stage s copied (the loader's lanes
+  // arrived and the TMA bytes landed) / free again (every compute warp is done with it).
+  // dq_full[b] / dq_empty[b]: dQ buffer b written by every compute warp / read by the bulk add.
   // A barrier completes a phase once its count has arrived; waiters name the phase's parity.
-  __shared__ uint64_t full[2], empty[2], dq_full, dq_empty;
+  __shared__ uint64_t full[STAGES], empty[STAGES], dq_full[2], dq_empty[2];
   if constexpr (PRODUCER) {
     if (tid == 0) {
-      for (int s = 0; s < 2; ++s) {
-        mbarrier_init(&full[s], LOADERS);
+      for (int s = 0; s < STAGES; ++s) {
+        mbarrier_init(&full[s], 32);
         mbarrier_init(&empty[s], CONSUMERS / 32);
       }
-      mbarrier_init(&dq_full, CONSUMERS / 32);
-      mbarrier_init(&dq_empty, WRITERS);
+      for (int b = 0; b < DQ_STAGES; ++b) {
+        mbarrier_init(&dq_full[b], CONSUMERS / 32);
+        mbarrier_init(&dq_empty[b], 1);
+      }
     }
   }
   load_kv<Tiles, THREADS>(p, w, k_smem, v_smem, tid);
   wait_for_prerequisite_grid();  // the preprocess wrote lse2 / delta and zeroed dQ
   if constexpr (!PRODUCER) {
-    if (tiles > 0) load_query_tile<Tiles, THREADS>(p, w, w.m_begin, q_smem, do_smem, stats, tid);
+    if (tiles > 0) load_query_tile<QTiles, THREADS>(p, w, w.m_begin, q_smem, do_smem, stats, tid);
   }
   cp_async_commit();
   if constexpr (PRODUCER) {
     cp_async_wait<0>();
     fence_proxy_async_shared();
     __syncthreads();  // K and V landed, barriers set up: the last CTA-wide barrier
-    if (warp >= CONSUMERS / 32) {
+    if (warp >= LOADER_WARP) {
       set_max_registers<PRODUCER_REGS, false>();
-      if (warp < CONSUMERS / 32 + LOADERS / 32) {
-        // Copier: query tile i into stage i % 2 once the compute warps freed it.
-        const int ltid = tid - CONSUMERS;
+      if (warp == LOADER_WARP) {
+        // Query tile i into stage i % STAGES once the compute warps freed it.
         for (int i = 0; i < tiles; ++i) {
-          const int s = i & 1;
-          if (i >= 2) mbarrier_wait(&empty[s], ((i / 2) + 1) & 1);
-          load_query_tile<Tiles, LOADERS>(p, w, w.m_begin + i, q_smem + s * QT_CHUNKS, do_smem + s * QT_CHUNKS,
-                                          stats + s * 2 * BLOCK_M, ltid);
-          cp_async_commit();
-          cp_async_wait<0>();
-          fence_proxy_async_shared();  // for wgmma's (async proxy) reads
+          const int s = i % STAGES, m = w.m_begin + i;
+          if (i >= STAGES) mbarrier_wait(&empty[s], (i / STAGES + 1) & 1);
+          float* st = stats + s * 2 * BLOCK_M;
+          if (args.tma) {
+            if (lane == 0) {
+              mbarrier_expect_tx(&full[s], 2 * QT_CHUNKS * 16);
+              const int token = w.q_start + m * (BLOCK_M / p.pack);
+#pragma unroll
+              for (int cb = 0; cb < HEAD_DIM / 64; ++cb) {
+                tma_load_4d(q_smem + s * QT_CHUNKS + cb * QBLOCK, &args.q_map, &full[s], cb * 64, 0, w.kv_head, token);
+                tma_load_4d(do_smem + s * QT_CHUNKS + cb * QBLOCK, &args.do_map, &full[s], cb * 64, 0, w.kv_head, token);
+              }
+            }
+            // lse2 / delta (+inf / 0 past the sequence: P = 0 on the rows TMA filled from the
+            // next sequence or with zeros); each lane arrives after its own stores.
+            for (int row = lane; row < BLOCK_M; row += 32) {
+              const int pr = m * BLOCK_M + row;
+              const bool valid = pr < w.rows;
+              st[row] = valid ? p.lse2[row0 + pr] : INFINITY;
+              st[BLOCK_M + row] = valid ? p.delta[row0 + pr] : 0.f;
+            }
+          } else {
+            load_query_tile<QTiles, 32>(p, w, m, q_smem + s * QT_CHUNKS, do_smem + s * QT_CHUNKS, st, lane);
+            cp_async_commit();
+            cp_async_wait<0>();
+            fence_proxy_async_shared();  // for wgmma's (async proxy) reads
+          }
           mbarrier_arrive(&full[s]);
         }
-      } else {
-        // dQ adder: each tile's dQ from dq_smem into the accumulator, 16 bytes a time, in
-        // key-tile order when deterministic (one thread waits, then a barrier of the adders).
-        const int atid = tid - CONSUMERS - LOADERS;
+      } else if (warp == WRITER_WARP && lane == 0) {
+        // Tile i's dQ from buffer i % 2 onto the accumulator rows of its sequence: one bulk
+        // reduce-add (the buffer is those rows, swizzled as they are), in key-tile order when
+        // deterministic.
         for (int i = 0; i < tiles; ++i) {
-          const int m = w.m_begin + i;
-          mbarrier_wait(&dq_full, i & 1);
+          const int b = i % DQ_STAGES, m = w.m_begin + i;
+          mbarrier_wait(&dq_full[b], (i / DQ_STAGES) & 1);
           int* sem = p.semaphores ? dq_semaphore(p, w, m) : nullptr;
           if (sem) {
-            if (atid == 0) {
-              const int turn = query_tile(p, w, m).turn;
-              for (int spin = 0; load_acquire(sem) < turn && spin < (1 << 22); ++spin) __nanosleep(1000);
-            }
-            named_barrier(3, WRITERS);
+            const int turn = query_tile(p, w, m).turn;
+            for (int spin = 0; load_acquire(sem) < turn && spin < (1 << 22); ++spin) __nanosleep(200);
           }
-          for (int idx = atid; idx < BLOCK_M * (HEAD_DIM / 4); idx += WRITERS) {
-            const int row = idx / (HEAD_DIM / 4), col = (idx % (HEAD_DIM / 4)) * 4;
-            float* dst = dq_row(p, w, m * BLOCK_M + row);
-            if (dst) atomicAdd(reinterpret_cast<float4*>(dst + col), *reinterpret_cast<const float4*>(dq_smem + row * DQ_STRIDE + col));
-          }
+          const int rows = min(BLOCK_M, w.rows - m * BLOCK_M);
+          bulk_reduce_add_f32(p.dq_accum + (row0 + m * BLOCK_M) * HEAD_DIM, dq_smem + b * DQ_TILE,
+                              rows * HEAD_DIM * 4);
+          bulk_commit();
           if (sem) {
-            named_barrier(3, WRITERS);
-            if (atid == 0) {
-              __threadfence();
-              atomicAdd(sem, 1);
-            }
+            bulk_wait<0, false>();  // the adds performed, before the next key tile's turn
+            fence_proxy_async_global();
+            __threadfence();
+            atomicAdd(sem, 1);
+          } else {
+            bulk_wait<0, true>();
           }
-          mbarrier_arrive(&dq_empty);
+          mbarrier_arrive(&dq_empty[b]);
         }
+        bulk_wait<0, false>();
       }
       allow_dependent_launch();
       return;
@@ -154,10 +231,10 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const BwdParams p) {
   // the transposed A of dQ.
   const uint64_t k_desc = wgmma_desc(k_smem + wg * WG_KEYS * ROW_CHUNKS, 16, GROUP_BYTES);
   const uint64_t v_desc = wgmma_desc(v_smem + wg * WG_KEYS * ROW_CHUNKS, 16, GROUP_BYTES);
-  const uint64_t q_desc = wgmma_desc(q_smem, 16, GROUP_BYTES);
-  const uint64_t do_desc = wgmma_desc(do_smem, 16, GROUP_BYTES);
-  const uint64_t qt_desc = wgmma_desc(q_smem, 1024, GROUP_BYTES);
-  const uint64_t dot_desc = wgmma_desc(do_smem, 1024, GROUP_BYTES);
+  const uint64_t q_desc = wgmma_desc(q_smem, 16, 1024);
+  const uint64_t do_desc = wgmma_desc(do_smem, 16, 1024);
+  const uint64_t qt_desc = wgmma_desc(q_smem, QBLOCK * 16, 1024);
+  const uint64_t dot_desc = wgmma_desc(do_smem, QBLOCK * 16, 1024);
   const uint64_t kt_desc = wgmma_desc(k_smem + Tiles::at(0, wg * DQ_N / 8), 1024, GROUP_BYTES);
   const uint64_t ds_desc = wgmma_desc(ds_smem, 1024, DS_CHUNKS * 128);
 
@@ -169,23 +246,24 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const BwdParams p) {
   const float sl2 = p.scale_log2;
 
   for (int m = w.m_begin; m < w.m_end; ++m) {
-    const int i = m - w.m_begin, stage = i & 1;
+    const int i = m - w.m_begin, stage = i % STAGES;
     if constexpr (PRODUCER) {
-      mbarrier_wait(&full[stage], (i / 2) & 1);
+      mbarrier_wait(&full[stage], (i / STAGES) & 1);
     } else {
       cp_async_wait<0>();
       fence_proxy_async_shared();  // the copies, before wgmma reads them
       __syncthreads();  // tile m landed for all; every MMA of tile m - 1 is done (its stage, dS^T)
       if (m + 1 < w.m_end)
-        load_query_tile<Tiles, THREADS>(p, w, m + 1, q_smem + (stage ^ 1) * QT_CHUNKS, do_smem + (stage ^ 1) * QT_CHUNKS,
+        load_query_tile<QTiles, THREADS>(p, w, m + 1, q_smem + (stage ^ 1) * QT_CHUNKS, do_smem + (stage ^ 1) * QT_CHUNKS,
                                         stats + (stage ^ 1) * 2 * BLOCK_M, tid);
       cp_async_commit();
     }
     const int qs = stage * QT_CHUNKS;
     // dS^T buffer of this tile: with PRODUCER two alternate, so writing tile i's only needs
     // tile i - 2's dQ done, which both warpgroups finished before meeting for tile i - 1.
-    uint32_t* ds32 = reinterpret_cast<uint32_t*>(ds_smem + (PRODUCER ? stage : 0) * DS_TILE);
-    const uint64_t ds_tile_desc = ds_desc + (PRODUCER ? stage : 0) * DS_TILE;
+    const int ds_stage = i % DS_STAGES;
+    uint32_t* ds32 = reinterpret_cast<uint32_t*>(ds_smem + ds_stage * DS_TILE);
+    const uint64_t ds_tile_desc = ds_desc + ds_stage * DS_TILE;
     const float* lse2 = stats + stage * 2 * BLOCK_M;
     const float* delta = lse2 + BLOCK_M;
     const QueryTile tile = query_tile(p, w, m);
@@ -195,12 +273,12 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const BwdParams p) {
     wgmma_fence();
     Wgmma<T, BLOCK_M>::ss<0, 0>(s, k_desc, q_desc + qs);
 #pragma unroll
-    for (int kt = 1; kt < HEAD_DIM / 16; ++kt) Wgmma<T, BLOCK_M>::ss<1, 0>(s, k_desc + k_step(kt), q_desc + qs + k_step(kt));
+    for (int kt = 1; kt < HEAD_DIM / 16; ++kt) Wgmma<T, BLOCK_M>::ss<1, 0>(s, k_desc + k_step(kt), q_desc + qs + q_step(kt));
     wgmma_commit();
     Wgmma<T, BLOCK_M>::ss<0, 0>(dp, v_desc, do_desc + qs);
 #pragma unroll
     for (int kt = 1; kt < HEAD_DIM / 16; ++kt)
-      Wgmma<T, BLOCK_M>::ss<1, 0>(dp, v_desc + k_step(kt), do_desc + qs + k_step(kt));
+      Wgmma<T, BLOCK_M>::ss<1, 0>(dp, v_desc + k_step(kt), do_desc + qs + q_step(kt));
     wgmma_commit();
     auto& s4 = reinterpret_cast<float(&)[Q_TILES][4]>(s);
     auto& dp4 = reinterpret_cast<float(&)[Q_TILES][4]>(dp);
@@ -236,7 +314,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const BwdParams p) {
     wgmma_pin(dv);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_M / 16; ++kk) Wgmma<T, HEAD_DIM>::rs<1>(dv, pa[kk], dot_desc + qs + kk * ROWS16);
+    for (int kk = 0; kk < BLOCK_M / 16; ++kk) Wgmma<T, HEAD_DIM>::rs<1>(dv, pa[kk], dot_desc + qs + kk * 128);
     wgmma_commit();
     fence_proxy_async_shared();  // dS^T, before wgmma reads it
     named_barrier(1, CONSUMERS);  // both warpgroups' dS^T written
@@ -251,7 +329,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const BwdParams p) {
       Wgmma<T, DQ_N>::ss<1, 1, 1>(dq, ds_tile_desc + kk * 16 * DS_CHUNKS, kt_desc + kk * ROWS16);
     wgmma_commit();
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_M / 16; ++kk) Wgmma<T, HEAD_DIM>::rs<1>(dk, da[kk], qt_desc + qs + kk * ROWS16);
+    for (int kk = 0; kk < BLOCK_M / 16; ++kk) Wgmma<T, HEAD_DIM>::rs<1>(dk, da[kk], qt_desc + qs + kk * 128);
     wgmma_commit();
     wgmma_wait<1>();  // dV and dQ done; dK runs on under the atomics
     wgmma_pin(dq);
@@ -259,16 +337,22 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const BwdParams p) {
     auto& dq4 = reinterpret_cast<float(&)[DQ_N / 8][4]>(dq);
     const int row = (warp % 4) * 16 + g;  // this thread's dQ rows: row, row + 8
     if constexpr (PRODUCER) {
-      // Hand dQ to the adders: into dq_smem once they added the previous tile's.
-      if (i > 0) mbarrier_wait(&dq_empty, (i - 1) & 1);
+      // Hand dQ to the bulk add: into buffer i % 2 once tile i - 2's was read, float4 f of row
+      // r at f ^ (r % 8) with r the accumulator row (DQ_SWIZZLE): a warp's 8 rows x 4 lanes
+      // then write 256 bytes in two conflict-free wavefronts.
+      const int b = i % DQ_STAGES;
+      if (i >= DQ_STAGES) mbarrier_wait(&dq_empty[b], (i / DQ_STAGES + 1) & 1);
+      float* buf = dq_smem + b * DQ_TILE;
+      const int x = static_cast<int>((row0 + m * BLOCK_M + row) & 7);  // rows row and row + 8 alike
 #pragma unroll
       for (int j = 0; j < DQ_N / 8; ++j) {
-        const int col = wg * DQ_N + j * 8 + 2 * c;
-        *reinterpret_cast<float2*>(dq_smem + row * DQ_STRIDE + col) = make_float2(dq4[j][0], dq4[j][1]);
-        *reinterpret_cast<float2*>(dq_smem + (row + 8) * DQ_STRIDE + col) = make_float2(dq4[j][2], dq4[j][3]);
+        const int f = ((wg * DQ_N + j * 8) / 4 + c / 2) ^ x;
+        *reinterpret_cast<float2*>(buf + row * HEAD_DIM + f * 4 + (c & 1) * 2) = make_float2(dq4[j][0], dq4[j][1]);
+        *reinterpret_cast<float2*>(buf + (row + 8) * HEAD_DIM + f * 4 + (c & 1) * 2) = make_float2(dq4[j][2], dq4[j][3]);
       }
+      fence_proxy_async_shared();  // for the bulk add's (async proxy) reads
       __syncwarp();
-      if (lane == 0) mbarrier_arrive(&dq_full);
+      if (lane == 0) mbarrier_arrive(&dq_full[b]);
     } else {
       int* sem = p.semaphores ? dq_semaphore(p, w, m) : nullptr;
       if (sem) wait_turn(sem, tile.turn);
