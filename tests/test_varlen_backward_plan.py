@@ -74,7 +74,7 @@ def test_hopper_rung_where_it_covers_the_head_dim(launches, monkeypatch, head_di
     monkeypatch.setattr(launch, "wgmma_allowed", lambda device: hopper and knob != "0")
     _, (spec, _), _ = call(launches, shape=dict(d=head_dim))
     assert spec.wgmma is want
-    assert spec == VarlenBackwardSpec(head_dim, "bfloat16", wgmma=want)
+    assert spec == VarlenBackwardSpec(head_dim, "bfloat16", wgmma=want, producer=want)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

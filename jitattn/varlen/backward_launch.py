@@ -23,10 +23,11 @@ from jitattn.varlen.spec import VarlenBackwardSpec
 LOG2E = 1.4426950408889634
 WINDOW_CLAMP = 1 << 30  # a window wider than any sequence: the kernels' 32-bit mask arithmetic stays in range
 
-# Head dims whose wgmma backward has the producer warpgroup (VarlenBackwardSpec.producer): none.
-# Measured on the H200 (bf16 8 x 4k): 91-100 TFLOP/s with it against 192-261 without, its two
-# dQ-adding warps being the critical path (notes/backward-h200.md); correct, kept to build on.
-PRODUCER_HEAD_DIMS: frozenset[int] = frozenset()
+# Head dims whose wgmma backward has the producer warpgroup (VarlenBackwardSpec.producer): TMA
+# copies of Q / dO and a bulk reduce-add of dQ. Measured on the H200 (bf16 8 x 4k, full / causal
+# TFLOP/s): D64 388 / 332 against 209 / 190 without, D128 431 / 370 against 262 / 236
+# (notes/backward-h200.md).
+PRODUCER_HEAD_DIMS: frozenset[int] = frozenset({64, 128})
 
 _kernels: dict[tuple, tuple[object, VarlenBackwardSpec]] = {}  # (head_dim, dtype, wgmma, cap) -> (run op, spec)
 _hopper: dict[int | None, bool] = {}  # device index -> sm_90
