@@ -76,7 +76,6 @@ def test_backward_spec_round_trips_through_a_dict():
     (dict(head_dim=256, wgmma=True), "wgmma kernels cover head_dim 64 and 128"),
     (dict(head_dim=96, wgmma=True), "wgmma kernels cover head_dim 64 and 128"),
     (dict(head_dim=128, wgmma=True, block_m=128), "wgmma tile is block_n=128, block_m=64"),
-    (dict(head_dim=64, wgmma=True, block_n=64), "wgmma tile is block_n=128, block_m=64"),
     (dict(head_dim=128, producer=True), "producer=True is part of the wgmma rung"),
 ])
 def test_backward_spec_refuses_shapes_it_cannot_run(kwargs, match):
@@ -94,16 +93,14 @@ def test_backward_mma_rung_builds_plain_sm():
 @pytest.mark.parametrize("producer", [False, True])
 def test_backward_wgmma_rung_renders_and_targets_sm90a(head_dim, dtype, ptx, producer):
     spec = VarlenBackwardSpec(head_dim, dtype, wgmma=True, producer=producer)
-    block_m = 128 if producer and head_dim == 64 else 64  # the producer's tile at head_dim 64: 128 queries
-    assert spec.name == f"varlen_backward_{ptx}_d{head_dim}_wgmma{'_producer' if producer else ''}_n128m{block_m}q1"
+    assert spec.name == f"varlen_backward_{ptx}_d{head_dim}_wgmma{'_producer' if producer else ''}_n128m64q1"
     assert spec_from_dict(spec.to_dict()) == spec and spec.smem_bytes() <= 227 * 1024
     kernels = render.render(spec, "ns")["kernels.cu"]
     assert not JINJA_LEFTOVER.search(kernels)
-    # S^T / dP^T (n = block_m), dV / dK (n = head_dim), dQ with a transposed A (n = head_dim / 2,
-    # or head_dim where the two warpgroups split 128 queries).
-    dq_n = head_dim if block_m == 128 else head_dim // 2
-    for n in (block_m, head_dim, dq_n):
-        assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx}" in kernels
+    # S^T / dP^T (n64), dV / dK (n = head_dim), dQ with a transposed A (n = head_dim / 2).
+    assert f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{ptx}.{ptx}" in kernels
+    assert f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.{ptx}.{ptx}" in kernels
+    assert f"wgmma.mma_async.sync.aligned.m64n{head_dim // 2}k16.f32.{ptx}.{ptx}" in kernels
     assert "::ss<0, 1, 1>(" in kernels and '"n"(TRANS_A)' in kernels  # dQ = dS K reads dS^T transposed
     assert f"constexpr bool PRODUCER = {'true' if producer else 'false'};" in kernels
     assert spec.archs_for(("9.0",)) == spec.archs_for(("8.0", "9.0a")) == ("9.0a",)

@@ -389,17 +389,11 @@ def _with_tile(tile):
         saved_dims = launch.PRODUCER_HEAD_DIMS
         if tile == "other":
             launch.PRODUCER_HEAD_DIMS = frozenset({64, 128}) - saved_dims
-        elif len(tile) != 4:
+        else:
             launch.wgmma_allowed = lambda device: False
         if tile not in ("mma", "other"):
-            def plan(head_dim, dtype, wgmma=False, soft_cap=False):
-                try:  # N,M,Q,1: the wgmma rung with that tile (and the producer where the default has it)
-                    return VarlenBackwardSpec(head_dim, "bfloat16", *tile[:3], soft_cap=soft_cap,
-                                              wgmma=len(tile) == 4 and wgmma,
-                                              producer=len(tile) == 4 and wgmma and head_dim in saved_dims)
-                except ValueError:  # a tile this head_dim cannot take: its default
-                    return saved_plan(head_dim, dtype, wgmma, soft_cap)
-            launch.plan = plan
+            launch.plan = lambda head_dim, dtype, wgmma=False, soft_cap=False: VarlenBackwardSpec(
+                head_dim, "bfloat16", *tile, soft_cap=soft_cap)
         launch._kernels.clear()
         try:
             yield
@@ -409,17 +403,6 @@ def _with_tile(tile):
             launch._kernels.update(saved_kernels)
 
     return ctx()
-
-
-def _wgmma_tile_fits(tile, head_dim):
-    """Whether the wgmma rung takes tile (N, M, Q, 1) at head_dim (else its row is left out)."""
-    from jitattn.varlen.spec import VarlenBackwardSpec
-
-    try:
-        VarlenBackwardSpec(head_dim, "bfloat16", *tile[:3], wgmma=True)
-        return True
-    except ValueError:
-        return False
 
 
 def _deterministic(on: bool):
@@ -494,7 +477,6 @@ def bench_backward(args):
                     for t in (q, k, v)]
             sets.append(((q, k, v), do, sdpa, do.view(batch, seq, heads, head_dim).transpose(1, 2).contiguous()))
         rungs = tiles if wgmma and head_dim in (64, 128) else [t for t in tiles if t not in ("mma", "other")]
-        rungs = [t for t in rungs if not (isinstance(t, tuple) and len(t) == 4 and not _wgmma_tile_fits(t, head_dim))]
         for causal in (False, True):
             window = (-1, 0) if causal else (-1, -1)
             flops = 2.5 * batch * 4 * seq * seq * head_dim * heads * (0.5 if causal else 1.0)
@@ -531,7 +513,7 @@ def bench_backward(args):
                 t = results[tile]
                 other = "wgmma with producer" if head_dim not in launch.PRODUCER_HEAD_DIMS else "wgmma without producer"
                 name = ({"mma": "mma.sync rung", "other": other, "softcap": f"softcap {args.softcap or 50.0:g}"}.get(tile)
-                        or f"{'wgmma' if len(tile) == 4 else 'mma.sync'} n{tile[0]}m{tile[1]}q{tile[2]}")
+                        or f"mma.sync n{tile[0]}m{tile[1]}q{tile[2]}")
                 print(f"|  | {name} | {causal} | {fmt(t)} | {fmt(tf(t))} | | | "
                       f"| {ratio(t, t_torch)} | {ratio(t, t_sdpa)} | |", flush=True)
         del sets
@@ -602,9 +584,8 @@ def main():
     parser.add_argument("--decode-tiles", nargs="*", metavar="WM,MT,N,S",
                         help="paged decode: also time these (warps_m, m_tiles, block_n, stages) decode tiles "
                              "(compiled on first use) at num_splits None, 2 and 4")
-    parser.add_argument("--bwd-tiles", nargs="*", metavar="N,M,Q[,1]",
-                        help="backward: also time these (block_n, block_m, warps_q) tiles of the mma.sync rung, "
-                             "or with a fourth field 1 of the wgmma rung (prebuilt)")
+    parser.add_argument("--bwd-tiles", nargs="*", metavar="N,M,Q",
+                        help="backward: also time these (block_n, block_m, warps_q) tiles (prebuilt)")
     parser.add_argument("--bwd-variants", nargs="*", default=["other", "mma", "det", "peers", "skewed"],
                         choices=["other", "mma", "det", "peers", "skewed", "softcap"],
                         help="backward rows beside the default: the other wgmma variant (with / without the "

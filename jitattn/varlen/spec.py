@@ -165,10 +165,10 @@ class VarlenBackwardSpec(KernelSpec):
     to keep its accumulators in registers). The tile fields default to 0, the tuned shape for
     the head_dim (`default_tile`), resolved on construction, so a spec always names its exact
     tile. `wgmma` is the Hopper rung (sm_90a: warpgroup MMAs, FlashAttention-3's shape): head_dim
-    64 or 128, 128 keys x 64 queries (or 128 at head_dim 64) on two warpgroups; it builds for
-    9.0a only. `producer` (wgmma only) adds a third warpgroup that copies the query tiles by TMA
-    and adds each tile's dQ with one bulk reduce-add, handing both over through mbarriers
-    (FlashAttention-3's data movement; jitattn.varlen.backward_launch.PRODUCER_HEAD_DIMS).
+    64 or 128, 128 keys x 64 queries on two warpgroups; it builds for 9.0a only. `producer`
+    (wgmma only) adds a third warpgroup that copies the query tiles by TMA and adds each tile's
+    dQ with one bulk reduce-add, handing both over through mbarriers (FlashAttention-3's data
+    movement; jitattn.varlen.backward_launch.PRODUCER_HEAD_DIMS, the default at 64 and 128).
     `soft_cap`: the backward of the forward's logit soft cap (the cap a runtime argument)."""
 
     family: ClassVar[str] = "varlen_backward"
@@ -209,14 +209,13 @@ class VarlenBackwardSpec(KernelSpec):
             raise ValueError("varlen_backward producer=True is part of the wgmma rung: set wgmma=True")
         if self.wgmma and not self.wgmma_fits(self.head_dim):
             raise ValueError(f"varlen_backward wgmma kernels cover head_dim 64 and 128 (got {self.head_dim})")
-        tile = self.default_tile(self.head_dim, self.wgmma, self.producer)
+        tile = self.default_tile(self.head_dim, self.wgmma)
         for name, value in zip(("block_n", "block_m", "warps_q"), tile):
             if getattr(self, name) == 0:
                 object.__setattr__(self, name, value)
-        if self.wgmma and (self.block_n, self.warps_q) != (128, 1) or self.wgmma and self.block_m not in (
-                (64, 128) if self.head_dim == 64 else (64,)):
-            raise ValueError(f"varlen_backward wgmma tile is block_n=128, block_m=64 (or 128 at head_dim 64), "
-                             f"warps_q=1 (got {self.block_n}, {self.block_m}, {self.warps_q})")
+        if self.wgmma and (self.block_n, self.block_m, self.warps_q) != (128, 64, 1):
+            raise ValueError(f"varlen_backward wgmma tile is block_n=128, block_m=64, warps_q=1 (got {self.block_n}, "
+                             f"{self.block_m}, {self.warps_q})")
         if self.warps_q not in (1, 2):
             raise ValueError(f"varlen_backward warps_q must be 1 or 2, got {self.warps_q}")
         if self.warps_q == 1 and self.head_dim > 128:
@@ -235,17 +234,17 @@ class VarlenBackwardSpec(KernelSpec):
         return head_dim in (64, 128)
 
     @staticmethod
-    def default_tile(head_dim: int, wgmma: bool = False, producer: bool = False) -> tuple[int, int, int]:
+    def default_tile(head_dim: int, wgmma: bool = False) -> tuple[int, int, int]:
         """(block_n, block_m, warps_q). mma.sync: 128 keys x 64 queries on 8 warps up to
         head_dim 128 (each warp 16 keys with all of dK / dV in registers), 64 x 64 on 8 warps
         (two per key group) above. On the H200 (bf16 8 x 4k, full / causal TFLOP/s): D64 165 /
         153 against 141 / 138 for 64 x 64 on 4 warps and 148 / 140 for 128 x 64 with two warps
         per key group; D128 190 / 180 against 117 / 114 (64 x 64, 4 warps) and 128 / 123
         (64 x 64, 8 warps). wgmma: 128 keys (two warpgroups of 64) x 64 queries: D64 207 / 192,
-        D128 261 / 236; with the producer D128 431 / 370, and at D64 128 queries (FlashAttention-3's
-        hdim64 tile; 64 queries: 388 / 332), measured in notes/backward-h200.md."""
+        D128 261 / 236; with the producer D64 388 / 332, D128 431 / 370 (128 queries a step at D64,
+        FlashAttention-3's hdim64 tile, measured 372 / 316 against 391 / 323: notes/backward-h200.md)."""
         if wgmma:
-            return (128, 128 if producer and head_dim == 64 else 64, 1)
+            return (128, 64, 1)
         return (128, 64, 1) if head_dim <= 128 else (64, 64, 2)
 
     def archs_for(self, archs: tuple[str, ...]) -> tuple[str, ...]:
@@ -265,8 +264,7 @@ class VarlenBackwardSpec(KernelSpec):
         qt = self.block_m * row_chunks
         ds = self.block_n * self.block_m // 8
         p_tile = 2 if (self.warps_q == 2 and not self.wgmma) or self.producer else 1
-        dq_buffers = (2 if self.block_m == 64 else 1) if self.producer else 0  # dQ hand-off buffers
-        dq = dq_buffers * self.block_m * self.head_dim * 4
+        dq = 2 * self.block_m * self.head_dim * 4 if self.producer else 0  # two dQ hand-off buffers
         return (2 * kv + 4 * qt + p_tile * ds) * 16 + 4 * self.block_m * 4 + dq + (1024 if self.wgmma else 0)
 
     @property

@@ -7,13 +7,12 @@
 //                                      while dP^T still runs
 //   dV  += P^T dO                     P^T from registers (the accumulators, rounded to T)
 //   dS^T -> shared memory             both warpgroups' 64 keys, for dQ
-//   dQ   = dS K                       dS^T read transposed (MN-major A); with 64 queries a
-//                                      step each warpgroup head_dim / 2 columns of the 64
-//                                      rows, with 128 (DQ_SPLIT_ROWS) all columns of 64 rows
+//   dQ   = dS K                       dS^T read transposed (MN-major A); each warpgroup
+//                                      head_dim / 2 columns of the tile's 64 rows
 //   dK  += dS^T Q                     dS^T from registers; runs on while dQ is handed off
-// K, V, Q, dO and dS^T sit in the 128-byte swizzle wgmma reads; Q, dO and dS^T column block by
-// column block (64 columns of all rows, then the next: the layout a TMA box of 64 columns
-// writes, and one warpgroup's 64 queries of dS^T as one MN-major operand).
+// K, V, Q, dO and dS^T sit in the 128-byte swizzle wgmma reads; Q and dO column block by
+// column block (64 head_dim columns of all BLOCK_M rows, then the next), the layout a TMA box
+// of 64 columns writes.
 //
 // PRODUCER (FlashAttention-3's data movement) adds a third warpgroup; the compute warpgroups
 // then issue no copies and no atomics and meet at one named barrier a tile (dS^T written):
@@ -40,10 +39,8 @@ static_assert(!PRODUCER || 128 * PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= 65
 constexpr int WG_KEYS = BLOCK_N / WARPGROUPS;  // keys per warpgroup (the MMA's M)
 constexpr int Q_TILES = BLOCK_M / 8;           // n8 tiles of S^T per warp: every query of the tile
 constexpr int D_TILES = HEAD_DIM / 8;          // n8 tiles of dK / dV
-// dQ = dS K per warpgroup: 64 queries a step split its columns, 128 its rows.
-constexpr bool DQ_SPLIT_ROWS = BLOCK_M == 128;
-constexpr int DQ_N = DQ_SPLIT_ROWS ? HEAD_DIM : HEAD_DIM / WARPGROUPS;  // dQ columns per warpgroup
-constexpr int DS_CHUNKS = BLOCK_M / 8;         // a row of dS^T
+constexpr int DQ_N = HEAD_DIM / WARPGROUPS;    // dQ columns per warpgroup
+constexpr int DS_CHUNKS = BLOCK_M / 8;         // a row of dS^T: one swizzle atom wide
 constexpr int GROUP_BYTES = ROW_CHUNKS * 128;  // 8 rows of a K / V tile
 constexpr int ROWS16 = 2 * GROUP_BYTES / 16;   // 16 rows of a K / V tile, in uint4
 constexpr int QBLOCK = BLOCK_M * 8;            // a 64-column block of a Q / dO tile, in uint4
@@ -52,30 +49,25 @@ constexpr int QT_CHUNKS = BLOCK_M * ROW_CHUNKS;
 constexpr int DS_TILE = BLOCK_N * DS_CHUNKS;
 constexpr int STAGES = 2;                      // query tiles in flight (Q, dO, lse2, delta)
 constexpr int DS_STAGES = PRODUCER ? 2 : 1;
-// Two dQ hand-off buffers where they fit (at 128 queries a second one would pass 227 KB).
-constexpr int DQ_STAGES = PRODUCER ? (BLOCK_M == 64 ? 2 : 1) : 0;
+constexpr int DQ_STAGES = PRODUCER ? 2 : 0;
 constexpr int DQ_TILE = BLOCK_M * HEAD_DIM;    // floats of one dQ hand-off buffer
 // wgmma's atoms must be 1024-aligned: room to align the dynamic shared memory base.
 constexpr int SMEM_BYTES = (2 * KV_CHUNKS + 2 * STAGES * QT_CHUNKS + DS_STAGES * DS_TILE) * 16 +
                            STAGES * 2 * BLOCK_M * 4 + DQ_STAGES * DQ_TILE * 4 + 1024;
-static_assert(BLOCK_N == 128 && (BLOCK_M == 64 || (BLOCK_M == 128 && HEAD_DIM == 64)),
-              "wgmma rung: 2 warpgroups x 64 keys, 64 queries a step (128 at head_dim 64)");
+static_assert(BLOCK_N == 128 && BLOCK_M == 64, "wgmma rung: 2 warpgroups x 64 keys, 64 queries a step");
 static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 128, "wgmma rung: head_dim 64 or 128 (dK and dV in registers)");
-static_assert(ROW_CHUNKS == CHUNKS && DS_CHUNKS % 8 == 0, "whole swizzle atoms");
+static_assert(ROW_CHUNKS == CHUNKS && DS_CHUNKS == 8, "whole swizzle atoms");
 static_assert(SMEM_BYTES <= 227 * 1024, "tile shape needs more shared memory than an SM has (227 KB)");
 static_assert(2 * STAGES * QT_CHUNKS >= 2 * BLOCK_N * ROW_CHUNKS, "the dK / dV epilogue stages in the Q and dO buffers");
 
 using Tiles = AtomSwizzle<ROW_CHUNKS>;
-// 64-column blocks of all ROWS rows, each row of a block one 128-byte swizzle row: Q / dO
-// (BLOCK_M rows), dS^T (BLOCK_N keys; for 64 queries the same as RowSwizzle<8>).
-template <int ROWS>
-struct ColumnBlocks {
+using DsRows = RowSwizzle<DS_CHUNKS>;  // = AtomSwizzle<8>
+// Q / dO: 64-column blocks of all BLOCK_M rows, each block rows of one 128-byte swizzle row.
+struct QTiles {
   __device__ __forceinline__ static int at(int row, int chunk) {
-    return (chunk / 8) * (ROWS * 8) + row * 8 + ((chunk % 8) ^ (row % 8));
+    return (chunk / 8) * QBLOCK + row * 8 + ((chunk % 8) ^ (row % 8));
   }
 };
-using QTiles = ColumnBlocks<BLOCK_M>;
-using DsRows = ColumnBlocks<BLOCK_N>;
 
 // Offset (uint4) of k16 step kt along a K-major tile's rows: 32 bytes within an atom's
 // 128-byte row, then the next atom (K / V), or the next column block (Q / dO).
@@ -243,10 +235,8 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   const uint64_t do_desc = wgmma_desc(do_smem, 16, 1024);
   const uint64_t qt_desc = wgmma_desc(q_smem, QBLOCK * 16, 1024);
   const uint64_t dot_desc = wgmma_desc(do_smem, QBLOCK * 16, 1024);
-  const int dq_col0 = DQ_SPLIT_ROWS ? 0 : wg * DQ_N;    // this warpgroup's dQ columns
-  const int dq_row0 = DQ_SPLIT_ROWS ? wg * 64 : 0;      // and rows
-  const uint64_t kt_desc = wgmma_desc(k_smem + Tiles::at(0, dq_col0 / 8), 1024, GROUP_BYTES);
-  const uint64_t ds_desc = wgmma_desc(ds_smem + DsRows::at(0, dq_row0 / 8), 1024, 1024);
+  const uint64_t kt_desc = wgmma_desc(k_smem + Tiles::at(0, wg * DQ_N / 8), 1024, GROUP_BYTES);
+  const uint64_t ds_desc = wgmma_desc(ds_smem, 1024, DS_CHUNKS * 128);
 
   float dk[D_TILES * 4], dv[D_TILES * 4];
 #pragma unroll
@@ -336,7 +326,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     Wgmma<T, DQ_N>::ss<0, 1, 1>(dq, ds_tile_desc, kt_desc);
 #pragma unroll
     for (int kk = 1; kk < BLOCK_N / 16; ++kk)
-      Wgmma<T, DQ_N>::ss<1, 1, 1>(dq, ds_tile_desc + kk * 128, kt_desc + kk * ROWS16);
+      Wgmma<T, DQ_N>::ss<1, 1, 1>(dq, ds_tile_desc + kk * 16 * DS_CHUNKS, kt_desc + kk * ROWS16);
     wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < BLOCK_M / 16; ++kk) Wgmma<T, HEAD_DIM>::rs<1>(dk, da[kk], qt_desc + qs + kk * 128);
@@ -345,7 +335,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     wgmma_pin(dq);
 
     auto& dq4 = reinterpret_cast<float(&)[DQ_N / 8][4]>(dq);
-    const int row = dq_row0 + (warp % 4) * 16 + g;  // this thread's dQ rows: row, row + 8
+    const int row = (warp % 4) * 16 + g;  // this thread's dQ rows: row, row + 8
     if constexpr (PRODUCER) {
       // Hand dQ to the bulk add: into buffer i % 2 once tile i - 2's was read, float4 f of row
       // r at f ^ (r % 8) with r the accumulator row (DQ_SWIZZLE): a warp's 8 rows x 4 lanes
@@ -356,7 +346,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
       const int x = static_cast<int>((row0 + m * BLOCK_M + row) & 7);  // rows row and row + 8 alike
 #pragma unroll
       for (int j = 0; j < DQ_N / 8; ++j) {
-        const int f = ((dq_col0 + j * 8) / 4 + c / 2) ^ x;
+        const int f = ((wg * DQ_N + j * 8) / 4 + c / 2) ^ x;
         *reinterpret_cast<float2*>(buf + row * HEAD_DIM + f * 4 + (c & 1) * 2) = make_float2(dq4[j][0], dq4[j][1]);
         *reinterpret_cast<float2*>(buf + (row + 8) * HEAD_DIM + f * 4 + (c & 1) * 2) = make_float2(dq4[j][2], dq4[j][3]);
       }
@@ -370,7 +360,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
       float* row_g8 = dq_row(p, w, m * BLOCK_M + row + 8);
 #pragma unroll
       for (int j = 0; j < DQ_N / 8; ++j) {
-        const int col = dq_col0 + j * 8;
+        const int col = wg * DQ_N + j * 8;
         add_dq(row_g ? row_g + col : nullptr, row_g8 ? row_g8 + col : nullptr, dq4[j], c);
       }
       if (sem) pass_turn(sem);
