@@ -427,7 +427,7 @@ def test_prewarm_varlen_dry_run_lists_what_calls_on_the_arch_run(capsys, no_buil
     may run on sm_90 (both paging modes and tile shapes; prefill on the wgmma rung there)."""
     got, out = dry_run(capsys, "prewarm", "--family", "varlen", "--head-dim", "64,128", "--dtype", "bfloat16",
                        "--arch", "9.0")
-    want = [VarlenSpec(d, "bfloat16", paged, decode, wgmma=not decode)
+    want = [VarlenSpec(d, "bfloat16", paged, decode, wgmma=not decode, tma=paged and not decode and d >= 128)
             for d in (64, 128) for paged in (False, True) for decode in (False, True)]
     assert [registry.spec_from_dict(d) for d in got] == want
     assert "prewarm --dry-run: 8 specializations for 9.0" in out
@@ -466,7 +466,7 @@ def test_decode_flags_cover_pos_encoding_fp8_soft_cap_and_tensor_cores(capsys, n
 def test_varlen_switches_pick_paging_tile_and_rung(capsys, no_builds):
     got, _ = dry_run(capsys, "prewarm", "--family", "varlen", "--head-dim", "256", "--paged", "on", "--decode", "off",
                      "--wgmma", "both", "--arch", "9.0")
-    assert [registry.spec_from_dict(d) for d in got] == [VarlenSpec(256, "float16", True, False, wgmma=w)
+    assert [registry.spec_from_dict(d) for d in got] == [VarlenSpec(256, "float16", True, False, wgmma=w, tma=w)
                                                          for w in (False, True)]
     got, out = dry_run(capsys, "prewarm", "--family", "varlen", "--head-dim", "128", "--decode", "off", "--paged",
                        "off", "--arch", "8.0;9.0")  # an A100 too: the mma.sync prefill rung for it

@@ -564,6 +564,30 @@ def test_wgmma_schedules_are_spec_fields_that_round_trip(head_dim):
     assert variants[3].name.endswith("_pingpong_overlap")
 
 
+@pytest.mark.parametrize("head_dim, paged", [(128, True), (256, False)])
+def test_tma_is_a_spec_field_that_round_trips(head_dim, paged):
+    base = VarlenSpec(head_dim=head_dim, dtype="bfloat16", paged=paged, wgmma=True)
+    assert base.tma is False  # the old kernel
+    tma = dataclasses.replace(base, tma=True)
+    target = keys.BuildTarget(("9.0",), "13.0.88", "gcc 12.2.0")
+    assert tma.name == base.name + "_tma"
+    assert keys.key_of(keys.components(tma, target)) != keys.key_of(keys.components(base, target))
+    assert spec_from_dict(tma.to_dict()) == tma and tma.to_dict()["tma"] is True
+    kernels = render.render(tma, "ns")["kernels.cu"]
+    assert not JINJA_LEFTOVER.search(kernels)
+    assert "constexpr bool TMA = true;" in kernels and "cp.async.bulk.tensor.4d" in kernels
+    assert "CUtensorMap" not in render.render(base, "ns")["kernels.cu"]
+    # Calls take it where it measured better: paged producer shapes only.
+    assert VarlenSpec.takes_tma(head_dim, paged, False, True) is paged
+    assert not VarlenSpec.takes_tma(64, True, False, True) and not VarlenSpec.takes_tma(head_dim, True, True, False)
+
+
+@pytest.mark.parametrize("fields", [dict(head_dim=64, wgmma=True), dict(head_dim=128)])
+def test_tma_needs_the_producer_warpgroup(fields):
+    with pytest.raises(ValueError, match="producer warpgroup"):
+        VarlenSpec(**fields, tma=True)
+
+
 @pytest.mark.parametrize("fields", [dict(head_dim=64, wgmma=True), dict(head_dim=128)])
 def test_wgmma_schedules_need_the_producer_warpgroup(fields):
     assert VarlenSpec(**fields, pingpong=False).pingpong is False

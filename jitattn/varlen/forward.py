@@ -13,6 +13,9 @@ from jitattn.varlen.spec import VarlenSpec
 
 LOG2E = 1.4426950408889634
 
+# Bound once, so tools that swap VarlenSpec for a maker (tools/fwd_schedule.py) keep it.
+_takes_tma = VarlenSpec.takes_tma
+
 # (head_dim, dtype, paged, decode, wgmma, soft cap) -> (loaded kernel, BLOCK_M, BLOCK_N): the per-call fast path
 _kernels: dict[tuple, tuple[OpKernel, int, int]] = {}
 
@@ -37,7 +40,7 @@ def forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, windo
     entry = _kernels.get(kernel_key)
     if entry is None:
         spec = VarlenSpec(args.head_dim, check.DTYPE_NAMES[query.dtype], args.paged, decode, wgmma=wgmma,
-                          soft_cap=capped)
+                          soft_cap=capped, tma=_takes_tma(args.head_dim, args.paged, decode, wgmma))
         entry = _kernels[kernel_key] = (OpKernel(get_module(spec)), spec.block_m, spec.block_n)
     kernel, block_m, tile_n = entry
     m_blocks = -(-max_q * group // block_m)

@@ -51,6 +51,7 @@ class VarlenSpec(KernelSpec):
     soft_cap: bool = False  # logits cap * tanh(scale * s / cap); the cap is a runtime argument
     pingpong: bool = False  # wgmma with the producer: the warpgroups take turns on the GEMMs
     overlap: bool = False   # wgmma with the producer: softmax of S_j under O += P_{j-1} V_{j-1}
+    tma: bool = False       # wgmma with the producer: K/V tiles by TMA (calls take `takes_tma`)
 
     def __post_init__(self):
         if self.wgmma and not self.wgmma_fits(self.head_dim, self.decode):
@@ -63,7 +64,7 @@ class VarlenSpec(KernelSpec):
         if self.decode and (self.block_n % 16 or not 32 <= self.block_n <= 256):
             raise ValueError(f"varlen decode tiles give each warp 16 keys: block_n a multiple of 16 in [32, 256] "
                              f"(got {self.block_n})")
-        for name in ("pingpong", "overlap"):
+        for name in ("pingpong", "overlap", "tma"):
             if getattr(self, name) and not self.has_producer:
                 raise ValueError(f"varlen {name}=True schedules the wgmma rung's producer warpgroup, which head_dim "
                                  f">= 128 has (got head_dim={self.head_dim}, wgmma={self.wgmma})")
@@ -84,8 +85,22 @@ class VarlenSpec(KernelSpec):
                 else:
                     fits = cls.wgmma_fits(fields.get("head_dim", 0), decode)
                     rungs = ([True] if fits and hopper else []) + ([False] if other or not fits else [])
-                variants += [{**fields, "paged": paged, "decode": decode, "wgmma": w} for w in rungs]
+                for w in rungs:
+                    variant = {**fields, "paged": paged, "decode": decode, "wgmma": w}
+                    if "tma" not in fields and cls.takes_tma(fields.get("head_dim", 0), paged, decode, w):
+                        variant["tma"] = True
+                    variants.append(variant)
         return variants
+
+    @staticmethod
+    def takes_tma(head_dim: int, paged: bool, decode: bool, wgmma: bool) -> bool:
+        """Whether a call's kernel copies K/V by TMA (`tma`): the paged wgmma shapes with the
+        producer warpgroup (has_producer). On the H200 (bf16 8 x 4k, D*H = 2048, full / causal
+        TFLOP/s, pages a random permutation, tools/fwd_tma.py, notes/forward-tma.md) page 16 went
+        from 277 / 262 (D128) and 284 / 272 (D256) to 511 / 475 and 523 / 487, page 256 from 295 /
+        262 and 299 / 272 to 508 / 462 and 523 / 469; packed keys lost 3-9% with it (D128 553 / 495,
+        D256 568 / 514 against 607 / 530 and 584 / 522), so they keep cp.async."""
+        return wgmma and paged and not decode and head_dim >= 128
 
     @staticmethod
     def wgmma_fits(head_dim: int, decode: bool) -> bool:
@@ -147,7 +162,7 @@ class VarlenSpec(KernelSpec):
     @property
     def name(self) -> str:
         tile = f"m{self.warps_m}x{self.m_tiles}n{self.block_n}s{self.stages}"
-        tile += ("_pingpong" if self.pingpong else "") + ("_overlap" if self.overlap else "")
+        tile += ("_pingpong" if self.pingpong else "") + ("_overlap" if self.overlap else "") + ("_tma" if self.tma else "")
         return (f"varlen_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{'_paged' if self.paged else ''}"
                 f"_{'decode' if self.decode else 'prefill'}{'_wgmma' if self.wgmma else ''}"
                 f"{'_cap' if self.soft_cap else ''}_{tile}")

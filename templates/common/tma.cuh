@@ -17,6 +17,21 @@ __device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes
                : "memory");
 }
 
+// Arrive on `bar` and announce `bytes` more that must land before its phase completes.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(bar)), "r"(bytes)
+               : "memory");
+}
+
+// Box at coordinates (c0 innermost .. c2) of a 3-D tensor map into shared memory, as below.
+__device__ __forceinline__ void tma_load_3d(void* smem, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {" "%2, %3, %4}], "
+      "[%5];\n" ::"r"(smem_address(smem)),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_address(bar))
+      : "memory");
+}
+
 // Box at coordinates (c0 innermost .. c3) of a 4-D tensor map into shared memory (1024-aligned
 // for the 128-byte swizzle); completes `bytes` of the barrier's expected transaction count.
 __device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
