@@ -23,6 +23,7 @@ for the kernels; the CUDA-only tests (graphs, memory, timing) skip there.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -352,6 +353,20 @@ def test_skewed_lengths_with_a_2k_sequence(window, dtype, rung):
     len_k = [33, 2048, 17, 520, 5, 0, 1, 450]
     b = make_batch(len_q, len_k, 8, 2, 128, dtype, seed=10)
     check_case(b, window, f"skewed window={window}")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_query_rows_past_the_last_sequence_are_never_read(head_dim, rung):
+    """A static-shape buffer (a CUDA graph's) has rows after cu_seq_q[-1] that belong to no
+    sequence; here they hold NaN in q and in the output's gradient. The last sequence's partial
+    query tile must not read them: a TMA box would, and NaN x (P = 0) would reach dK / dV."""
+    b = make_batch([70, 133], [70, 133], 4, 2, head_dim, BF16, seed=41)
+    nan_rows = torch.full((37, *b.query.shape[1:]), float("nan"), device=b.query.device, dtype=b.query.dtype)
+    padded = dataclasses.replace(b, query=torch.cat([b.query, nan_rows]))
+    grad_out = grad_out_for(b, 0)
+    got = run_backward(padded, (-1, 0), torch.cat([grad_out, nan_rows]))
+    n = b.query.shape[0]
+    check_grads(b, (got[0][:n], got[1], got[2]), oracle(b, (-1, 0), grad_out), "NaN rows after the last sequence")
 
 
 def test_seqused_k_is_supported_with_grad(rung):

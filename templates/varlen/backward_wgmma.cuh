@@ -166,7 +166,10 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
           const int s = i % STAGES, m = w.m_begin + i;
           if (i >= STAGES) mbarrier_wait(&empty[s], (i / STAGES + 1) & 1);
           float* st = stats + s * 2 * BLOCK_M;
-          if (args.tma) {
+          // A sequence's last tile, when partial, by cp.async: its rows past the sequence must
+          // be zeros (TMA would read the next sequence's, or the unused tail's, rows; a NaN
+          // there times P = 0 would reach dK / dV).
+          if (args.tma && (m + 1) * BLOCK_M <= w.rows) {
             if (lane == 0) {
               mbarrier_expect_tx(&full[s], 2 * QT_CHUNKS * 16);
               const int token = w.q_start + m * (BLOCK_M / p.pack);
@@ -176,13 +179,11 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
                 tma_load_4d(do_smem + s * QT_CHUNKS + cb * QBLOCK, &args.do_map, &full[s], cb * 64, 0, w.kv_head, token);
               }
             }
-            // lse2 / delta (+inf / 0 past the sequence: P = 0 on the rows TMA filled from the
-            // next sequence or with zeros); each lane arrives after its own stores.
+            // lse2 / delta of the tile's rows (all in the sequence); each lane arrives after
+            // its own stores.
             for (int row = lane; row < BLOCK_M; row += 32) {
-              const int pr = m * BLOCK_M + row;
-              const bool valid = pr < w.rows;
-              st[row] = valid ? p.lse2[row0 + pr] : INFINITY;
-              st[BLOCK_M + row] = valid ? p.delta[row0 + pr] : 0.f;
+              st[row] = p.lse2[row0 + m * BLOCK_M + row];
+              st[BLOCK_M + row] = p.delta[row0 + m * BLOCK_M + row];
             }
           } else {
             load_query_tile<QTiles, 32>(p, w, m, q_smem + s * QT_CHUNKS, do_smem + s * QT_CHUNKS, st, lane);
