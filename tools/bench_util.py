@@ -69,3 +69,19 @@ def host_us_rounds(fns: dict, calls: int = 10000, rounds: int = 5) -> dict:
         for name, fn in fns.items():
             times[name].append(host_us_per_call(fn, calls))
     return {name: sorted(t) for name, t in times.items()}
+
+
+def page_pools(key, value, batch: int, seq: int, page_sizes=(16, 256)) -> dict:
+    """{page size: (pool_k, pool_v, block_table)}: `batch` sequences of `seq` tokens of the
+    packed (T, H, D) key/value in a page pool, pages a random permutation of the pool (logical
+    page i of the batch lives at order[i])."""
+    tokens, heads, head_dim = key.shape
+    pools = {}
+    for page in page_sizes:
+        pages = tokens // page
+        order = torch.randperm(pages, device=key.device)
+        pool_k, pool_v = (torch.empty(pages, page, heads, head_dim, device=key.device, dtype=key.dtype) for _ in range(2))
+        pool_k[order] = key.view(pages, page, heads, head_dim)
+        pool_v[order] = value.view(pages, page, heads, head_dim)
+        pools[page] = (pool_k, pool_v, order.to(torch.int32).view(batch, seq // page))
+    return pools

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repo, when jitattn is not installed
 import jitattn  # noqa: E402
-from bench_util import host_us_per_call, sets_needed, time_us  # noqa: E402
+from bench_util import host_us_per_call, page_pools, sets_needed, time_us  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -174,15 +174,7 @@ def bench_paged_prefill(args):
     for _ in range(sets_needed(6 * tokens * heads * head_dim * 2)):  # q, k, v, out, and a pool of k, v
         q, k, v = (torch.randn(tokens, heads, head_dim, device="cuda", dtype=BF16) for _ in range(3))
         sdpa = [t.view(batch, seq, heads, head_dim).transpose(1, 2).contiguous() for t in (q, k, v)]
-        pools = {}
-        for page in (16, 256):
-            pages = tokens // page
-            order = torch.randperm(pages, device="cuda")
-            pool_k, pool_v = (torch.empty(pages, page, heads, head_dim, device="cuda", dtype=BF16) for _ in range(2))
-            pool_k[order] = k.view(pages, page, heads, head_dim)  # logical page i of the batch lives at order[i]
-            pool_v[order] = v.view(pages, page, heads, head_dim)
-            pools[page] = (pool_k, pool_v, order.to(torch.int32).view(batch, seq // page))
-        sets.append((q, k, v, sdpa, pools))
+        sets.append((q, k, v, sdpa, page_pools(k, v, batch, seq)))
     print(f"\n### paged prefill: bf16 D{head_dim}, {heads} heads, {batch} x {seq} tokens, pages a random "
           "permutation of the pool; TFLOP/s as the prefill rows\n")
     print("| causal | contiguous TFLOP/s | page 16 TFLOP/s (vs contiguous) | page 256 TFLOP/s (vs contiguous) "

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import jitattn
-from bench_util import host_us_per_call, sets_needed, time_us
+from bench_util import host_us_per_call, page_pools, sets_needed, time_us
 
 BF16 = torch.bfloat16
 
@@ -112,15 +112,7 @@ def main():
         for _ in range(sets_needed(8 * tokens * heads * head_dim * 2)):
             q, k, v = (torch.randn(tokens, heads, head_dim, device="cuda", dtype=BF16) for _ in range(3))
             sdpa = [t.view(batch, seq, heads, head_dim).transpose(1, 2).contiguous() for t in (q, k, v)]
-            pools = {}
-            for page in (16, 256):
-                pages = tokens // page
-                order = torch.randperm(pages, device="cuda")
-                pk, pv = (torch.empty(pages, page, heads, head_dim, device="cuda", dtype=BF16) for _ in range(2))
-                pk[order] = k.view(pages, page, heads, head_dim)
-                pv[order] = v.view(pages, page, heads, head_dim)
-                pools[page] = (pk, pv, order.to(torch.int32).view(batch, seq // page))
-            sets.append((q, k, v, sdpa, pools))
+            sets.append((q, k, v, sdpa, page_pools(k, v, batch, seq)))
         for causal in (False, True):
             window = (-1, 0) if causal else (-1, -1)
             flops = batch * 4 * seq * seq * head_dim * heads * (0.5 if causal else 1.0)
