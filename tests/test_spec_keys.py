@@ -575,7 +575,7 @@ def test_tma_is_a_spec_field_that_round_trips(head_dim, paged):
     assert spec_from_dict(tma.to_dict()) == tma and tma.to_dict()["tma"] is True
     kernels = render.render(tma, "ns")["kernels.cu"]
     assert not JINJA_LEFTOVER.search(kernels)
-    assert "constexpr bool TMA = true;" in kernels and "cp.async.bulk.tensor.4d" in kernels
+    assert "constexpr bool TMA = true;" in kernels and "cp.async.bulk.tensor.5d" in kernels
     assert "CUtensorMap" not in render.render(base, "ns")["kernels.cu"]
     # Calls take it where it measured better: paged producer shapes only.
     assert VarlenSpec.takes_tma(head_dim, paged, False, True) is paged

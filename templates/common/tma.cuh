@@ -23,15 +23,6 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
                : "memory");
 }
 
-// Box at coordinates (c0 innermost .. c2) of a 3-D tensor map into shared memory, as below.
-__device__ __forceinline__ void tma_load_3d(void* smem, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {" "%2, %3, %4}], "
-      "[%5];\n" ::"r"(smem_address(smem)),
-      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_address(bar))
-      : "memory");
-}
-
 // Box at coordinates (c0 innermost .. c3) of a 4-D tensor map into shared memory (1024-aligned
 // for the 128-byte swizzle); completes `bytes` of the barrier's expected transaction count.
 __device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
@@ -40,6 +31,16 @@ __device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, 
       "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {" "%2, %3, %4, %5}], "
       "[%6];\n" ::"r"(smem_address(smem)),
       "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_address(bar))
+      : "memory");
+}
+
+// Box at coordinates (c0 innermost .. c4) of a 5-D tensor map, as above.
+__device__ __forceinline__ void tma_load_5d(void* smem, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
+                                            int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {" "%2, %3, %4, %5, "
+      "%6}], [%7];\n" ::"r"(smem_address(smem)),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(smem_address(bar))
       : "memory");
 }
 
