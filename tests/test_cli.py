@@ -427,7 +427,7 @@ def test_prewarm_varlen_dry_run_lists_what_calls_on_the_arch_run(capsys, no_buil
     may run on sm_90 (both paging modes and tile shapes; prefill on the wgmma rung there)."""
     got, out = dry_run(capsys, "prewarm", "--family", "varlen", "--head-dim", "64,128", "--dtype", "bfloat16",
                        "--arch", "9.0")
-    want = [VarlenSpec(d, "bfloat16", paged, decode, wgmma=not decode, tma=paged and not decode and d >= 128)
+    want = [VarlenSpec(d, "bfloat16", paged, decode, wgmma=not decode, tma=d == 128 and not decode)  # paged: D >= 128; packed: D128 only
             for d in (64, 128) for paged in (False, True) for decode in (False, True)]
     assert [registry.spec_from_dict(d) for d in got] == want
     assert "prewarm --dry-run: 8 specializations for 9.0" in out

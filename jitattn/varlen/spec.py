@@ -95,14 +95,16 @@ class VarlenSpec(KernelSpec):
     @staticmethod
     def takes_tma(head_dim: int, paged: bool, decode: bool, wgmma: bool) -> bool:
         """Whether a call's kernel copies K/V by TMA (`tma`): the paged wgmma shapes with the
-        producer warpgroup (has_producer). On the H200 (bf16 8 x 4k, D*H = 2048, full / causal
+        producer warpgroup (has_producer), and packed keys at D128. On the H200 (bf16 8 x 4k, D*H = 2048, full / causal
         TFLOP/s, pages a random permutation; one box per tile or page; notes/forward-tma.md):
         paged D128 page 16 went from 270 / 263 (cp.async) to 582 / 537, 0.95x / 1.01x of
         contiguous (bench_varlen.py --parts paged-prefill), page 256 to 580 / 505, D256 from
         298 / 277 to 508 / 487 (tools/fwd_tma.py). Packed keys with TMA measured 634 / 548 against
         573 / 531 at D128 (+11% / +3%) and 563 / 520 against 571 / 524 at D256 (-1%) in the same
-        job; packed D128 is not switched yet: the GPU suite has not run with it as the default."""
-        return wgmma and paged and not decode and head_dim >= 128
+        job, so packed D128 takes it too."""
+        if not wgmma or decode or head_dim < 128:
+            return False
+        return paged or head_dim == 128
 
     @staticmethod
     def wgmma_fits(head_dim: int, decode: bool) -> bool:
