@@ -470,7 +470,7 @@ def test_varlen_switches_pick_paging_tile_and_rung(capsys, no_builds):
                                                          for w in (False, True)]
     got, out = dry_run(capsys, "prewarm", "--family", "varlen", "--head-dim", "128", "--decode", "off", "--paged",
                        "off", "--arch", "8.0;9.0")  # an A100 too: the mma.sync prefill rung for it
-    assert [registry.spec_from_dict(d) for d in got] == [VarlenSpec(128, "float16", False, False, wgmma=True),
+    assert [registry.spec_from_dict(d) for d in got] == [VarlenSpec(128, "float16", False, False, wgmma=True, tma=True),
                                                          VarlenSpec(128, "float16", False, False)]
     assert "[9.0a]" in out and "[8.0,9.0]" in out
 
@@ -496,7 +496,7 @@ def test_the_backward_family_takes_the_same_flags(capsys, no_builds):
     got, _ = dry_run(capsys, "prewarm", "--family", "varlen,varlen_backward", "--head-dim", "128", "--paged", "off",
                      "--decode", "off", "--arch", "8.0;9.0")
     assert [registry.spec_from_dict(d) for d in got] == [
-        VarlenSpec(128, "float16", False, False, wgmma=True), VarlenSpec(128, "float16", False, False),
+        VarlenSpec(128, "float16", False, False, wgmma=True, tma=True), VarlenSpec(128, "float16", False, False),
         VarlenBackwardSpec(128, "float16", wgmma=True, producer=True), VarlenBackwardSpec(128, "float16")]
 
 
