@@ -484,7 +484,7 @@ def test_several_families_in_one_command(capsys, no_builds):
 
 def test_the_backward_family_takes_the_same_flags(capsys, no_builds):
     """varlen_backward, registered by its own spec module: the rung a backward call on the archs
-    runs (wgmma with its producer warpgroup on sm_90 at head_dim 64/128, mma.sync elsewhere),
+    runs (wgmma with its producer warpgroup on sm_90 at head_dim 64/128/256, mma.sync elsewhere),
     varlen-only flags ignored."""
     from jitattn.varlen.spec import VarlenBackwardSpec
 
@@ -492,7 +492,8 @@ def test_the_backward_family_takes_the_same_flags(capsys, no_builds):
                      "bfloat16", "--arch", "9.0")
     assert [registry.spec_from_dict(d) for d in got] == [
         VarlenBackwardSpec(64, "bfloat16", wgmma=True, producer=True),
-        VarlenBackwardSpec(128, "bfloat16", wgmma=True, producer=True), VarlenBackwardSpec(256, "bfloat16")]
+        VarlenBackwardSpec(128, "bfloat16", wgmma=True, producer=True),
+        VarlenBackwardSpec(256, "bfloat16", wgmma=True, producer=True)]
     got, _ = dry_run(capsys, "prewarm", "--family", "varlen,varlen_backward", "--head-dim", "128", "--paged", "off",
                      "--decode", "off", "--arch", "8.0;9.0")
     assert [registry.spec_from_dict(d) for d in got] == [

@@ -8,7 +8,7 @@ in tests/test_varlen_backward.py). Key/value rows that must not be read hold NaN
 (tests/varlen_utils.make_batch), freed allocator blocks are NaN-poisoned before each backward
 (an unwritten gradient or workspace row reads NaN), and NaN never passes.
 
-On an sm_90 GPU head_dim 64 and 128 run the Hopper (wgmma) rung by default; the tests marked
+On an sm_90 GPU head_dim 64, 128 and 256 run the Hopper (wgmma) rung by default; the tests marked
 with a `rung` parameter, and half the random configurations at those head dims, run the
 mma.sync rung too (forced, as JITATTN_WGMMA=0 would). JITATTN_TEST_BACKWARD_PRODUCER=1 / 0
 runs the wgmma rung with / without its producer warpgroup.
@@ -88,13 +88,13 @@ def _producer_variant(monkeypatch):
     if choice is not None:
         from jitattn.varlen import backward_launch as varlen_backward_launch
 
-        monkeypatch.setattr(varlen_backward_launch, "PRODUCER_HEAD_DIMS", frozenset({64, 128} if choice == "1" else ()))
+        monkeypatch.setattr(varlen_backward_launch, "PRODUCER_HEAD_DIMS", frozenset({64, 128, 256} if choice == "1" else ()))
         monkeypatch.setattr(varlen_backward_launch, "_kernels", {})
 
 
 @pytest.fixture(params=["default", "mma"])
 def rung(request, monkeypatch):
-    """Run the test on the default rung (wgmma at head_dim 64/128 on sm_90) and on mma.sync."""
+    """Run the test on the default rung (wgmma at head_dim 64/128/256 on sm_90) and on mma.sync."""
     if request.param == "mma":
         from jitattn.varlen import backward_launch as varlen_backward_launch
 
@@ -355,7 +355,7 @@ def test_skewed_lengths_with_a_2k_sequence(window, dtype, rung):
     check_case(b, window, f"skewed window={window}")
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_query_rows_past_the_last_sequence_are_never_read(head_dim, rung):
     """A static-shape buffer (a CUDA graph's) has rows after cu_seq_q[-1] that belong to no
     sequence; here they hold NaN in q and in the output's gradient. The last sequence's partial
@@ -436,7 +436,8 @@ def test_long_sequence_memory_stays_bounded():
 
 # ---------------------------------------------------------------- determinism
 @pytest.mark.parametrize("head_dim, group, window", [(64, 1, (-1, 0)), (128, 4, (-1, -1)), (128, 2, (300, 0)),
-                                                     (256, 2, (100, 7)), (96, 8, (-1, 0)), (144, 1, (-1, -1))])
+                                                     (256, 2, (100, 7)), (256, 4, (-1, -1)), (96, 8, (-1, 0)),
+                                                     (144, 1, (-1, -1))])
 def test_deterministic_mode_is_bitwise_reproducible(head_dim, group, window, rung):
     b = make_batch([1000, 37, 513, 0, 1400], [1000, 60, 513, 4, 1400], 2 * group, 2, head_dim, BF16, seed=head_dim)
     grad_out = grad_out_for(b, 7)
@@ -555,7 +556,7 @@ def test_cuda_graph_captures_forward_and_backward_and_replays_new_data(determini
 
 
 @cuda_only
-def test_hopper_runs_the_wgmma_rung_at_head_dim_64_and_128():
+def test_hopper_runs_the_wgmma_rung_at_head_dim_64_128_and_256():
     from jitattn.varlen import backward_launch as launch
 
     if not launch.wgmma_allowed(torch.device("cuda")):
@@ -565,7 +566,7 @@ def test_hopper_runs_the_wgmma_rung_at_head_dim_64_and_128():
         run_backward(b, (-1, 0), grad_out_for(b, 0))
         assert (head_dim, BF16, True, False) in launch._kernels  # (head_dim, dtype, wgmma allowed, soft cap)
         spec = launch._kernels[(head_dim, BF16, True, False)][1]
-        assert spec.wgmma is (head_dim != 256) and spec.producer is (head_dim in launch.PRODUCER_HEAD_DIMS)
+        assert spec.wgmma and spec.producer is (head_dim in launch.PRODUCER_HEAD_DIMS)
 
 
 # ---------------------------------------------------------------- refusals (also tested on the CPU)

@@ -73,9 +73,10 @@ def test_backward_spec_round_trips_through_a_dict():
     (dict(head_dim=128, block_m=32), "block_m 64 or 128"),
     (dict(head_dim=128, block_n=256), r"\[32, 2 \* block_m\]"),
     (dict(head_dim=64, block_n=48, block_m=128), "whole groups"),
-    (dict(head_dim=256, wgmma=True), "wgmma kernels cover head_dim 64 and 128"),
-    (dict(head_dim=96, wgmma=True), "wgmma kernels cover head_dim 64 and 128"),
-    (dict(head_dim=128, wgmma=True, block_m=128), "wgmma tile is block_n=128, block_m=64"),
+    (dict(head_dim=192, wgmma=True), "wgmma kernels cover head_dim 64, 128 and 256"),
+    (dict(head_dim=96, wgmma=True), "wgmma kernels cover head_dim 64, 128 and 256"),
+    (dict(head_dim=128, wgmma=True, block_m=128), "wgmma tile at head_dim 128 is block_n=128, block_m=64"),
+    (dict(head_dim=256, wgmma=True, block_n=128), "wgmma tile at head_dim 256 is block_n=64, block_m=64, warps_q=2"),
     (dict(head_dim=128, producer=True), "producer=True is part of the wgmma rung"),
 ])
 def test_backward_spec_refuses_shapes_it_cannot_run(kwargs, match):
@@ -88,19 +89,22 @@ def test_backward_mma_rung_builds_plain_sm():
     assert VarlenBackwardSpec(128).archs_for(("8.0", "9.0")) == ("8.0", "9.0")
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype, ptx", [("float16", "f16"), ("bfloat16", "bf16")])
 @pytest.mark.parametrize("producer", [False, True])
 def test_backward_wgmma_rung_renders_and_targets_sm90a(head_dim, dtype, ptx, producer):
     spec = VarlenBackwardSpec(head_dim, dtype, wgmma=True, producer=producer)
-    assert spec.name == f"varlen_backward_{ptx}_d{head_dim}_wgmma{'_producer' if producer else ''}_n128m64q1"
+    split = head_dim == 256  # two warpgroups on 64 keys, dK / dV split along head_dim
+    tile = "n64m64q2" if split else "n128m64q1"
+    assert spec.name == f"varlen_backward_{ptx}_d{head_dim}_wgmma{'_producer' if producer else ''}_{tile}"
     assert spec_from_dict(spec.to_dict()) == spec and spec.smem_bytes() <= 227 * 1024
     kernels = render.render(spec, "ns")["kernels.cu"]
     assert not JINJA_LEFTOVER.search(kernels)
-    # S^T / dP^T (n64), dV / dK (n = head_dim), dQ with a transposed A (n = head_dim / 2).
-    assert f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{ptx}.{ptx}" in kernels
-    assert f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.{ptx}.{ptx}" in kernels
-    assert f"wgmma.mma_async.sync.aligned.m64n{head_dim // 2}k16.f32.{ptx}.{ptx}" in kernels
+    # S^T / dP^T (n64; split: n32 a warpgroup), dV / dK (n = head_dim; split: half of it), dQ with
+    # a transposed A (n = head_dim / 2; split: in two slices of 64).
+    widths = (32, 128, 64) if split else (64, head_dim, head_dim // 2)
+    for n in widths:
+        assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx}" in kernels
     assert "::ss<0, 1, 1>(" in kernels and '"n"(TRANS_A)' in kernels  # dQ = dS K reads dS^T transposed
     assert f"constexpr bool PRODUCER = {'true' if producer else 'false'};" in kernels
     assert spec.archs_for(("9.0",)) == spec.archs_for(("8.0", "9.0a")) == ("9.0a",)
@@ -124,7 +128,7 @@ def test_manifests_list_the_backward_beside_the_forward(manifest):
     for head_dim in (64, 128, 256):
         for dtype in ("float16", "bfloat16"):
             assert VarlenBackwardSpec(head_dim, dtype) in backward, (manifest, head_dim, dtype)
-            if head_dim <= 128:
+            if VarlenBackwardSpec.wgmma_fits(head_dim):
                 producer = VarlenBackwardSpec(head_dim, dtype, wgmma=True, producer=True)
                 assert producer in backward, (manifest, head_dim, dtype)  # what backward_launch plans
                 lockstep = VarlenBackwardSpec(head_dim, dtype, wgmma=True)

@@ -362,11 +362,14 @@ def bench_host(args):
 
 
 # ---------------------------------------------------------------- (e) backward
+WGMMA_BWD_DIMS = frozenset({64, 128, 256})  # VarlenBackwardSpec.wgmma_fits
+
+
 def _with_tile(tile):
     """A context in which jitattn's backward runs the tile `tile` = (block_n, block_m, warps_q)
     of the mma.sync rung, "mma" its default mma.sync tile, "other" the wgmma rung with the
     producer warpgroup where the default runs it without, and the other way round, or for None
-    its default (on sm_90: the wgmma rung at head_dim 64/128)."""
+    its default (on sm_90: the wgmma rung at head_dim 64/128/256)."""
     import contextlib
 
     from jitattn.varlen import backward_launch as launch
@@ -380,7 +383,7 @@ def _with_tile(tile):
         saved_plan, saved_allowed, saved_kernels = launch.plan, launch.wgmma_allowed, dict(launch._kernels)
         saved_dims = launch.PRODUCER_HEAD_DIMS
         if tile == "other":
-            launch.PRODUCER_HEAD_DIMS = frozenset({64, 128}) - saved_dims
+            launch.PRODUCER_HEAD_DIMS = WGMMA_BWD_DIMS - saved_dims
         else:
             launch.wgmma_allowed = lambda device: False
         if tile not in ("mma", "other"):
@@ -446,18 +449,20 @@ def bench_backward(args):
     from jitattn.varlen import backward_launch as launch
 
     if args.bwd_producer != "auto":
-        launch.PRODUCER_HEAD_DIMS = frozenset({64, 128} if args.bwd_producer == "on" else ())
+        launch.PRODUCER_HEAD_DIMS = WGMMA_BWD_DIMS if args.bwd_producer == "on" else frozenset()
     wgmma = launch.wgmma_allowed(torch.device("cuda"))
     variants = set(args.bwd_variants)
     tiles = [None] + [v for v in ("other", "mma") if v in variants]
     tiles += [tuple(int(x) for x in t.split(",")) for t in (args.bwd_tiles or [])]
     print("\n### backward: bf16, 8 x 4096 tokens; backward = (forward + backward) - forward; "
-          f"backward FLOPs = 2.5x forward; default rung {'wgmma at D64/D128' if wgmma else 'mma.sync'} "
+          f"backward FLOPs = 2.5x forward; default rung {'wgmma at D64/D128/D256' if wgmma else 'mma.sync'} "
           f"(producer warpgroup at {sorted(launch.PRODUCER_HEAD_DIMS) or 'no head_dim'})\n")
     print("| D | heads | causal | jitattn us | jitattn TFLOP/s | deterministic TFLOP/s | torch varlen TFLOP/s "
           "| SDPA TFLOP/s | vs torch varlen | vs SDPA | deterministic cost |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for head_dim, heads in ((64, 32), (128, 32), (256, 16)):
+        if head_dim not in args.bwd_dims:
+            continue
         tokens = batch * seq
         per_set = 5 * tokens * heads * head_dim * 2  # q, k, v, out, dO (and as many gradients)
         cu_seq = cu([seq] * batch)
@@ -468,7 +473,7 @@ def bench_backward(args):
             sdpa = [t.detach().view(batch, seq, heads, head_dim).transpose(1, 2).contiguous().requires_grad_()
                     for t in (q, k, v)]
             sets.append(((q, k, v), do, sdpa, do.view(batch, seq, heads, head_dim).transpose(1, 2).contiguous()))
-        rungs = tiles if wgmma and head_dim in (64, 128) else [t for t in tiles if t not in ("mma", "other")]
+        rungs = tiles if wgmma and head_dim in WGMMA_BWD_DIMS else [t for t in tiles if t not in ("mma", "other")]
         for causal in (False, True):
             window = (-1, 0) if causal else (-1, -1)
             flops = 2.5 * batch * 4 * seq * seq * head_dim * heads * (0.5 if causal else 1.0)
@@ -585,6 +590,8 @@ def main():
                              "SDPA, the skewed batch, the logit soft cap (--softcap, default 50)")
     parser.add_argument("--softcap", type=float, default=None,
                         help="prefill (and the backward's softcap variant): also time jitattn with this logit soft cap")
+    parser.add_argument("--bwd-dims", nargs="*", type=int, default=[64, 128, 256],
+                        help="backward: the head dims to run (64, 128, 256)")
     parser.add_argument("--bwd-producer", choices=["auto", "on", "off"], default="auto",
                         help="backward: the wgmma rung with the producer warpgroup (on), without (off), or "
                              "jitattn's default (auto)")

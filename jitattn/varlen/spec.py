@@ -184,7 +184,8 @@ class VarlenBackwardSpec(KernelSpec):
     to keep its accumulators in registers). The tile fields default to 0, the tuned shape for
     the head_dim (`default_tile`), resolved on construction, so a spec always names its exact
     tile. `wgmma` is the Hopper rung (sm_90a: warpgroup MMAs, FlashAttention-3's shape): head_dim
-    64 or 128, 128 keys x 64 queries on two warpgroups; it builds for 9.0a only. `producer`
+    64 or 128, 128 keys x 64 queries on two warpgroups; 256: 64 keys x 64 queries, the two
+    warpgroups splitting dK / dV along head_dim (warps_q=2); it builds for 9.0a only. `producer`
     (wgmma only) adds a third warpgroup that copies the query tiles by TMA and adds each tile's
     dQ with one bulk reduce-add, handing both over through mbarriers (FlashAttention-3's data
     movement; jitattn.varlen.backward_launch.PRODUCER_HEAD_DIMS, the default at 64 and 128).
@@ -227,14 +228,15 @@ class VarlenBackwardSpec(KernelSpec):
         if self.producer and not self.wgmma:
             raise ValueError("varlen_backward producer=True is part of the wgmma rung: set wgmma=True")
         if self.wgmma and not self.wgmma_fits(self.head_dim):
-            raise ValueError(f"varlen_backward wgmma kernels cover head_dim 64 and 128 (got {self.head_dim})")
+            raise ValueError(f"varlen_backward wgmma kernels cover head_dim 64, 128 and 256 (got {self.head_dim})")
         tile = self.default_tile(self.head_dim, self.wgmma)
         for name, value in zip(("block_n", "block_m", "warps_q"), tile):
             if getattr(self, name) == 0:
                 object.__setattr__(self, name, value)
-        if self.wgmma and (self.block_n, self.block_m, self.warps_q) != (128, 64, 1):
-            raise ValueError(f"varlen_backward wgmma tile is block_n=128, block_m=64, warps_q=1 (got {self.block_n}, "
-                             f"{self.block_m}, {self.warps_q})")
+        want = self.default_tile(self.head_dim, True)
+        if self.wgmma and (self.block_n, self.block_m, self.warps_q) != want:
+            raise ValueError(f"varlen_backward wgmma tile at head_dim {self.head_dim} is block_n={want[0]}, "
+                             f"block_m={want[1]}, warps_q={want[2]} (got {self.block_n}, {self.block_m}, {self.warps_q})")
         if self.warps_q not in (1, 2):
             raise ValueError(f"varlen_backward warps_q must be 1 or 2, got {self.warps_q}")
         if self.warps_q == 1 and self.head_dim > 128:
@@ -250,7 +252,7 @@ class VarlenBackwardSpec(KernelSpec):
     @staticmethod
     def wgmma_fits(head_dim: int) -> bool:
         """Shapes the wgmma rung covers (the caller also needs an sm_90 GPU)."""
-        return head_dim in (64, 128)
+        return head_dim in (64, 128, 256)
 
     @staticmethod
     def default_tile(head_dim: int, wgmma: bool = False) -> tuple[int, int, int]:
@@ -262,8 +264,8 @@ class VarlenBackwardSpec(KernelSpec):
         (64 x 64, 8 warps). wgmma: 128 keys (two warpgroups of 64) x 64 queries: D64 207 / 192,
         D128 261 / 236; with the producer D64 388 / 332, D128 431 / 370 (128 queries a step at D64,
         FlashAttention-3's hdim64 tile, measured 372 / 316 against 391 / 323: notes/backward-h200.md)."""
-        if wgmma:
-            return (128, 64, 1)
+        if wgmma:  # head_dim 256: 64 keys, the two warpgroups split dK / dV along head_dim (warps_q=2)
+            return (128, 64, 1) if head_dim <= 128 else (64, 64, 2)
         return (128, 64, 1) if head_dim <= 128 else (64, 64, 2)
 
     def archs_for(self, archs: tuple[str, ...]) -> tuple[str, ...]:
@@ -282,8 +284,12 @@ class VarlenBackwardSpec(KernelSpec):
         kv = self.block_n * row_chunks
         qt = self.block_m * row_chunks
         ds = self.block_n * self.block_m // 8
-        p_tile = 2 if (self.warps_q == 2 and not self.wgmma) or self.producer else 1
-        dq = 2 * self.block_m * self.head_dim * 4 if self.producer else 0  # two dQ hand-off buffers
+        if self.wgmma:  # dS^T stages (2 with the producer), each with P^T beside it at warps_q=2
+            p_tile = (2 if self.producer else 1) * self.warps_q
+        else:
+            p_tile = 2 if self.warps_q == 2 else 1
+        # two dQ hand-off buffers (the producer's bulk add; at warps_q=2 the compute warps add)
+        dq = 2 * self.block_m * self.head_dim * 4 if self.producer and self.warps_q == 1 else 0
         return (2 * kv + 4 * qt + p_tile * ds) * 16 + 4 * self.block_m * 4 + dq + (1024 if self.wgmma else 0)
 
     @property

@@ -10,19 +10,28 @@ __device__ __forceinline__ int load_acquire(const int* address) {
 // One thread waits; the CTA barrier then holds every thread until the turn has come. A wait
 // that cannot end (the lower tile never runs: only with malformed metadata) gives up after
 // a few seconds (2^22 sleeps of about 1 us) instead of hanging the GPU.
-__device__ __forceinline__ void wait_turn(const int* sem, int turn) {
+// `sync`: the barrier of the threads that add (default: the CTA's; thread 0 among them).
+template <typename Sync>
+__device__ __forceinline__ void wait_turn(const int* sem, int turn, Sync sync) {
   if (threadIdx.x == 0 && sem != nullptr) {
     for (int spin = 0; load_acquire(sem) < turn && spin < (1 << 22); ++spin) __nanosleep(1000);
   }
-  __syncthreads();
+  sync();
+}
+__device__ __forceinline__ void wait_turn(const int* sem, int turn) {
+  wait_turn(sem, turn, [] { __syncthreads(); });
 }
 
 // After every thread's atomics: a barrier, then one release increment (the barrier orders the
 // CTA's adds before thread 0's release).
-__device__ __forceinline__ void pass_turn(int* sem) {
-  __syncthreads();
+template <typename Sync>
+__device__ __forceinline__ void pass_turn(int* sem, Sync sync) {
+  sync();
   if (threadIdx.x == 0 && sem != nullptr) {
     __threadfence();
     atomicAdd(sem, 1);
   }
+}
+__device__ __forceinline__ void pass_turn(int* sem) {
+  pass_turn(sem, [] { __syncthreads(); });
 }

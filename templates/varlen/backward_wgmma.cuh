@@ -36,10 +36,19 @@ constexpr int THREADS = CONSUMERS + (PRODUCER ? 128 : 0);
 constexpr int LOADER_WARP = CONSUMERS / 32, WRITER_WARP = LOADER_WARP + 1;  // PRODUCER; warps 10-11 idle
 constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;  // ptxas: 4 bytes spilled at D128 (36 at 48 / 232, 288 at 72 / 216)
 static_assert(!PRODUCER || 128 * PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= 65536, "register budget");
-constexpr int WG_KEYS = BLOCK_N / WARPGROUPS;  // keys per warpgroup (the MMA's M)
-constexpr int Q_TILES = BLOCK_M / 8;           // n8 tiles of S^T per warp: every query of the tile
-constexpr int D_TILES = HEAD_DIM / 8;          // n8 tiles of dK / dV
+// DKV_SPLIT (head_dim 256, WARPS_Q = 2; FlashAttention-3's hdim256 split): 64 keys a CTA, both
+// warpgroups on all of them; each holds dK / dV of its half of the head_dim columns (64 + 64
+// registers instead of 128 + 128) and computes S^T / dP^T for its half of the queries, whose P^T
+// and dS^T it writes to shared memory for the other's dV / dK.
+constexpr bool DKV_SPLIT = WARPS_Q == 2;
+constexpr int WG_KEYS = 64;                    // keys per warpgroup (the MMA's M)
+constexpr int SN = DKV_SPLIT ? BLOCK_M / WARPGROUPS : BLOCK_M;  // queries of S^T per warpgroup
+constexpr int Q_TILES = SN / 8;                // n8 tiles of S^T per warp
+constexpr int DKV_N = DKV_SPLIT ? HEAD_DIM / WARPGROUPS : HEAD_DIM;  // dK / dV columns per warpgroup
+constexpr int D_TILES = DKV_N / 8;             // n8 tiles of dK / dV
 constexpr int DQ_N = HEAD_DIM / WARPGROUPS;    // dQ columns per warpgroup
+constexpr int DQ_SLICES = DKV_SPLIT ? 2 : 1;   // dQ MMAs (and atomics) a tile, DQ_SN columns each
+constexpr int DQ_SN = DQ_N / DQ_SLICES;
 constexpr int DS_CHUNKS = BLOCK_M / 8;         // a row of dS^T: one swizzle atom wide
 constexpr int GROUP_BYTES = ROW_CHUNKS * 128;  // 8 rows of a K / V tile
 constexpr int ROWS16 = 2 * GROUP_BYTES / 16;   // 16 rows of a K / V tile, in uint4
@@ -49,14 +58,21 @@ constexpr int QT_CHUNKS = BLOCK_M * ROW_CHUNKS;
 constexpr int DS_TILE = BLOCK_N * DS_CHUNKS;
 constexpr int STAGES = 2;                      // query tiles in flight (Q, dO, lse2, delta)
 constexpr int DS_STAGES = PRODUCER ? 2 : 1;
-constexpr int DQ_STAGES = PRODUCER ? 2 : 0;
+constexpr int DS_TILES = DKV_SPLIT ? 2 : 1;    // a stage's dS^T, and with DKV_SPLIT P^T after it
+// dQ hand-off buffers of the bulk add; 0: the compute warpgroups add dQ from registers (vector
+// atomics; DKV_SPLIT: 64 KB a buffer does not fit beside two Q / dO stages, nor does
+// FlashAttention-3's at hdim256).
+constexpr int DQ_STAGES = PRODUCER && !DKV_SPLIT ? 2 : 0;
 constexpr int DQ_TILE = BLOCK_M * HEAD_DIM;    // floats of one dQ hand-off buffer
 // wgmma's atoms must be 1024-aligned: room to align the dynamic shared memory base.
-constexpr int SMEM_BYTES = (2 * KV_CHUNKS + 2 * STAGES * QT_CHUNKS + DS_STAGES * DS_TILE) * 16 +
+constexpr int SMEM_BYTES = (2 * KV_CHUNKS + 2 * STAGES * QT_CHUNKS + DS_STAGES * DS_TILES * DS_TILE) * 16 +
                            STAGES * 2 * BLOCK_M * 4 + DQ_STAGES * DQ_TILE * 4 + 1024;
-static_assert(BLOCK_N == 128 && BLOCK_M == 64, "wgmma rung: 2 warpgroups x 64 keys, 64 queries a step");
-static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 128, "wgmma rung: head_dim 64 or 128 (dK and dV in registers)");
+static_assert(BLOCK_N == (DKV_SPLIT ? 64 : 128) && BLOCK_M == 64,
+              "wgmma rung: 2 warpgroups x 64 keys (DKV_SPLIT: both on 64), 64 queries a step");
+static_assert(HEAD_DIM % 64 == 0 && (DKV_SPLIT ? HEAD_DIM == 256 : HEAD_DIM <= 128),
+              "wgmma rung: head_dim 64 or 128, or 256 with DKV_SPLIT (dK and dV in registers)");
 static_assert(ROW_CHUNKS == CHUNKS && DS_CHUNKS == 8, "whole swizzle atoms");
+static_assert(!DKV_SPLIT || (DQ_STAGES == 0 && DQ_SN == 64), "DKV_SPLIT: dQ by atomics, in 64-column slices");
 static_assert(SMEM_BYTES <= 227 * 1024, "tile shape needs more shared memory than an SM has (227 KB)");
 static_assert(2 * STAGES * QT_CHUNKS >= 2 * BLOCK_N * ROW_CHUNKS, "the dK / dV epilogue stages in the Q and dO buffers");
 
@@ -110,6 +126,12 @@ inline BwdMain main_kernel_args(const BwdParams& p) {
   return a;
 }
 
+// A barrier of the compute warps (all threads without PRODUCER).
+__device__ __forceinline__ void consumer_sync() {
+  if constexpr (PRODUCER) named_barrier(3, CONSUMERS);
+  else __syncthreads();
+}
+
 __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__ BwdMain args) {
   const BwdParams& p = args.p;
   extern __shared__ uint4 smem_base[];
@@ -118,15 +140,17 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   uint4* v_smem = k_smem + KV_CHUNKS;
   uint4* q_smem = v_smem + KV_CHUNKS;             // [STAGES][QT_CHUNKS]
   uint4* do_smem = q_smem + STAGES * QT_CHUNKS;
-  uint4* ds_smem = do_smem + STAGES * QT_CHUNKS;  // dS^T [DS_STAGES][BLOCK_N keys][BLOCK_M queries]
-  float* dq_smem = reinterpret_cast<float*>(ds_smem + DS_STAGES * DS_TILE);  // PRODUCER: [DQ_STAGES][DQ_TILE]
+  uint4* ds_smem = do_smem + STAGES * QT_CHUNKS;  // dS^T (, P^T) [DS_STAGES][DS_TILES][BLOCK_N keys][BLOCK_M queries]
+  float* dq_smem = reinterpret_cast<float*>(ds_smem + DS_STAGES * DS_TILES * DS_TILE);  // [DQ_STAGES][DQ_TILE]
   float* stats = dq_smem + DQ_STAGES * DQ_TILE;   // [STAGES][lse2, delta][BLOCK_M]
 
   Work w;
   if (!decode_work(p, w)) return;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, wg = warp / 4;
   const int g = lane / 4, c = lane % 4;
-  const int key0 = wg * WG_KEYS + (warp % 4) * 16;  // this warp's 16 accumulator rows (keys)
+  const int wg_key0 = DKV_SPLIT ? 0 : wg * WG_KEYS;  // this warpgroup's first key (the MMA's M)
+  const int key0 = wg_key0 + (warp % 4) * 16;       // this warp's 16 accumulator rows (keys)
+  const int q0 = DKV_SPLIT ? wg * SN : 0;           // this warpgroup's first query of S^T
   const int tiles = w.m_end - w.m_begin;
   // First accumulator row of this (sequence, KV head): tile m's rows follow at m * BLOCK_M.
   const int64_t row0 = int64_t(w.kv_head) * p.dq_rows + int64_t(w.q_start) * p.pack;
@@ -193,7 +217,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
           }
           mbarrier_arrive(&full[s]);
         }
-      } else if (warp == WRITER_WARP && lane == 0) {
+      } else if (DQ_STAGES > 0 && warp == WRITER_WARP && lane == 0) {
         // Tile i's dQ from buffer i % 2 onto the accumulator rows of its sequence: one bulk
         // reduce-add (the buffer is those rows, swizzled as they are), in key-tile order when
         // deterministic.
@@ -227,17 +251,20 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     set_max_registers<CONSUMER_REGS, true>();
   }
 
-  // Descriptors. K-major: K, V as A (this warpgroup's keys), Q, dO as B of S^T / dP^T.
-  // MN-major: Q, dO as B of dK / dV, K as B of dQ (this warpgroup's head_dim columns), dS^T as
-  // the transposed A of dQ.
-  const uint64_t k_desc = wgmma_desc(k_smem + wg * WG_KEYS * ROW_CHUNKS, 16, GROUP_BYTES);
-  const uint64_t v_desc = wgmma_desc(v_smem + wg * WG_KEYS * ROW_CHUNKS, 16, GROUP_BYTES);
-  const uint64_t q_desc = wgmma_desc(q_smem, 16, 1024);
-  const uint64_t do_desc = wgmma_desc(do_smem, 16, 1024);
-  const uint64_t qt_desc = wgmma_desc(q_smem, QBLOCK * 16, 1024);
-  const uint64_t dot_desc = wgmma_desc(do_smem, QBLOCK * 16, 1024);
+  // Descriptors. K-major: K, V as A (this warpgroup's keys), Q, dO as B of S^T / dP^T (this
+  // warpgroup's queries), with DKV_SPLIT P^T and dS^T as A of dV / dK. MN-major: Q, dO as B of
+  // dK / dV (DKV_SPLIT: this warpgroup's head_dim columns), K as B of dQ (this warpgroup's
+  // head_dim columns), dS^T as the transposed A of dQ.
+  const uint64_t k_desc = wgmma_desc(k_smem + wg_key0 * ROW_CHUNKS, 16, GROUP_BYTES);
+  const uint64_t v_desc = wgmma_desc(v_smem + wg_key0 * ROW_CHUNKS, 16, GROUP_BYTES);
+  const uint64_t q_desc = wgmma_desc(q_smem + q0 * 8, 16, 1024);
+  const uint64_t do_desc = wgmma_desc(do_smem + q0 * 8, 16, 1024);
+  const int dkv_block = DKV_SPLIT ? wg * (DKV_N / 64) * QBLOCK : 0;  // first 64-column block of dK / dV
+  const uint64_t qt_desc = wgmma_desc(q_smem + dkv_block, QBLOCK * 16, 1024);
+  const uint64_t dot_desc = wgmma_desc(do_smem + dkv_block, QBLOCK * 16, 1024);
   const uint64_t kt_desc = wgmma_desc(k_smem + Tiles::at(0, wg * DQ_N / 8), 1024, GROUP_BYTES);
   const uint64_t ds_desc = wgmma_desc(ds_smem, 1024, DS_CHUNKS * 128);
+  const uint64_t dsk_desc = wgmma_desc(ds_smem, 16, DS_CHUNKS * 128);  // DKV_SPLIT: dS^T, P^T K-major
 
   float dk[D_TILES * 4], dv[D_TILES * 4];
 #pragma unroll
@@ -263,8 +290,10 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     // dS^T buffer of this tile: with PRODUCER two alternate, so writing tile i's only needs
     // tile i - 2's dQ done, which both warpgroups finished before meeting for tile i - 1.
     const int ds_stage = i % DS_STAGES;
-    uint32_t* ds32 = reinterpret_cast<uint32_t*>(ds_smem + ds_stage * DS_TILE);
-    const uint64_t ds_tile_desc = ds_desc + ds_stage * DS_TILE;
+    uint32_t* ds32 = reinterpret_cast<uint32_t*>(ds_smem + ds_stage * DS_TILES * DS_TILE);
+    uint32_t* pt32 = ds32 + DS_TILE * 4;  // DKV_SPLIT: P^T
+    const uint64_t ds_tile_desc = ds_desc + ds_stage * DS_TILES * DS_TILE;
+    const uint64_t dsk_tile_desc = dsk_desc + ds_stage * DS_TILES * DS_TILE;
     const float* lse2 = stats + stage * 2 * BLOCK_M;
     const float* delta = lse2 + BLOCK_M;
     const QueryTile tile = query_tile(p, w, m);
@@ -272,14 +301,14 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     // S^T = K Q^T and dP^T = V dO^T, then P^T while dP^T finishes.
     float s[Q_TILES * 4], dp[Q_TILES * 4];
     wgmma_fence();
-    Wgmma<T, BLOCK_M>::ss<0, 0>(s, k_desc, q_desc + qs);
+    Wgmma<T, SN>::ss<0, 0>(s, k_desc, q_desc + qs);
 #pragma unroll
-    for (int kt = 1; kt < HEAD_DIM / 16; ++kt) Wgmma<T, BLOCK_M>::ss<1, 0>(s, k_desc + k_step(kt), q_desc + qs + q_step(kt));
+    for (int kt = 1; kt < HEAD_DIM / 16; ++kt) Wgmma<T, SN>::ss<1, 0>(s, k_desc + k_step(kt), q_desc + qs + q_step(kt));
     wgmma_commit();
-    Wgmma<T, BLOCK_M>::ss<0, 0>(dp, v_desc, do_desc + qs);
+    Wgmma<T, SN>::ss<0, 0>(dp, v_desc, do_desc + qs);
 #pragma unroll
     for (int kt = 1; kt < HEAD_DIM / 16; ++kt)
-      Wgmma<T, BLOCK_M>::ss<1, 0>(dp, v_desc + k_step(kt), do_desc + qs + q_step(kt));
+      Wgmma<T, SN>::ss<1, 0>(dp, v_desc + k_step(kt), do_desc + qs + q_step(kt));
     wgmma_commit();
     auto& s4 = reinterpret_cast<float(&)[Q_TILES][4]>(s);
     auto& dp4 = reinterpret_cast<float(&)[Q_TILES][4]>(dp);
@@ -287,84 +316,126 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
       wgmma_wait<0>();
       wgmma_pin(s);
       wgmma_pin(dp);
-      capped_scores_to_dscores(s4, dp4, lse2, delta, sl2, p.cap_scale, 0, c);
+      capped_scores_to_dscores(s4, dp4, lse2, delta, sl2, p.cap_scale, q0, c);
     } else {
       wgmma_wait<1>();
       wgmma_pin(s);
-      scores_to_probs(s4, lse2, sl2, 0, c);
+      scores_to_probs(s4, lse2, sl2, q0, c);
       wgmma_wait<0>();
       wgmma_pin(dp);
-      probs_to_dscores(s4, dp4, delta, 0, c);
+      probs_to_dscores(s4, dp4, delta, q0, c);
     }
-    if (tile.masked) mask_hidden(p, w, m, key0, 0, g, c, s4, dp4);
+    if (tile.masked) mask_hidden(p, w, m, key0, q0, g, c, s4, dp4);
 
-    // dS^T -> shared memory (T), for dQ; P^T and dS^T as A fragments.
+    // dS^T (DKV_SPLIT: and P^T; this warpgroup's queries) -> shared memory (T), for dQ (dV,
+    // dK); else P^T and dS^T as A fragments.
 #pragma unroll
     for (int nt = 0; nt < Q_TILES; ++nt) {
-      ds32[DsRows::at(key0 + g, nt) * 4 + c] = pack2<T>(dp4[nt][0], dp4[nt][1]);
-      ds32[DsRows::at(key0 + g + 8, nt) * 4 + c] = pack2<T>(dp4[nt][2], dp4[nt][3]);
+      ds32[DsRows::at(key0 + g, q0 / 8 + nt) * 4 + c] = pack2<T>(dp4[nt][0], dp4[nt][1]);
+      ds32[DsRows::at(key0 + g + 8, q0 / 8 + nt) * 4 + c] = pack2<T>(dp4[nt][2], dp4[nt][3]);
+      if constexpr (DKV_SPLIT) {
+        pt32[DsRows::at(key0 + g, q0 / 8 + nt) * 4 + c] = pack2<T>(s4[nt][0], s4[nt][1]);
+        pt32[DsRows::at(key0 + g + 8, q0 / 8 + nt) * 4 + c] = pack2<T>(s4[nt][2], s4[nt][3]);
+      }
     }
-    uint32_t pa[BLOCK_M / 16][4], da[BLOCK_M / 16][4];
+    uint32_t da[DKV_SPLIT ? 1 : BLOCK_M / 16][4];
+    if constexpr (!DKV_SPLIT) {
+      uint32_t pa[BLOCK_M / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-      a_fragment(pa[kk], s4, kk);
-      a_fragment(da[kk], dp4, kk);
-    }
+      for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+        a_fragment(pa[kk], s4, kk);
+        a_fragment(da[kk], dp4, kk);
+      }
 
-    // dV += P^T dO.
-    wgmma_pin(dv);
-    wgmma_fence();
+      // dV += P^T dO.
+      wgmma_pin(dv);
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_M / 16; ++kk) Wgmma<T, HEAD_DIM>::rs<1>(dv, pa[kk], dot_desc + qs + kk * 128);
-    wgmma_commit();
+      for (int kk = 0; kk < BLOCK_M / 16; ++kk) Wgmma<T, DKV_N>::rs<1>(dv, pa[kk], dot_desc + qs + kk * 128);
+      wgmma_commit();
+    }
     fence_proxy_async_shared();  // dS^T, before wgmma reads it
     named_barrier(1, CONSUMERS);  // both warpgroups' dS^T written
 
-    // dQ = dS K (this warpgroup's columns), then dK += dS^T Q.
-    float dq[DQ_N / 2];
-    wgmma_pin(dk);
-    wgmma_fence();
-    Wgmma<T, DQ_N>::ss<0, 1, 1>(dq, ds_tile_desc, kt_desc);
+    // dQ = dS K (this warpgroup's columns), then dK += dS^T Q. DKV_SPLIT: dQ in DQ_SLICES slices
+    // of 64 columns (FlashAttention-3's Slice_dQKV_Mma: half the registers), dV before the first
+    // slice's atomics and dK before the second's run under them.
+    float dq[DQ_SN / 2];
+    auto& dq4 = reinterpret_cast<float(&)[DQ_SN / 8][4]>(dq);
+    auto dq_mma = [&](int slice) {
+      const uint64_t kt = kt_desc + slice * 64;  // the slice's 64-column atom of K
+      Wgmma<T, DQ_SN>::ss<0, 1, 1>(dq, ds_tile_desc, kt);
 #pragma unroll
-    for (int kk = 1; kk < BLOCK_N / 16; ++kk)
-      Wgmma<T, DQ_N>::ss<1, 1, 1>(dq, ds_tile_desc + kk * 16 * DS_CHUNKS, kt_desc + kk * ROWS16);
-    wgmma_commit();
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_M / 16; ++kk) Wgmma<T, HEAD_DIM>::rs<1>(dk, da[kk], qt_desc + qs + kk * 128);
-    wgmma_commit();
-    wgmma_wait<1>();  // dV and dQ done; dK runs on under the atomics
-    wgmma_pin(dq);
-
-    auto& dq4 = reinterpret_cast<float(&)[DQ_N / 8][4]>(dq);
-    const int row = (warp % 4) * 16 + g;  // this thread's dQ rows: row, row + 8
-    if constexpr (PRODUCER) {
-      // Hand dQ to the bulk add: into buffer i % 2 once tile i - 2's was read, float4 f of row
-      // r at f ^ (r % 8) with r the accumulator row (DQ_SWIZZLE): a warp's 8 rows x 4 lanes
-      // then write 256 bytes in two conflict-free wavefronts.
-      const int b = i % DQ_STAGES;
-      if (i >= DQ_STAGES) mbarrier_wait(&dq_empty[b], (i / DQ_STAGES + 1) & 1);
-      float* buf = dq_smem + b * DQ_TILE;
-      const int x = static_cast<int>((row0 + m * BLOCK_M + row) & 7);  // rows row and row + 8 alike
-#pragma unroll
-      for (int j = 0; j < DQ_N / 8; ++j) {
-        const int f = ((wg * DQ_N + j * 8) / 4 + c / 2) ^ x;
-        *reinterpret_cast<float2*>(buf + row * HEAD_DIM + f * 4 + (c & 1) * 2) = make_float2(dq4[j][0], dq4[j][1]);
-        *reinterpret_cast<float2*>(buf + (row + 8) * HEAD_DIM + f * 4 + (c & 1) * 2) = make_float2(dq4[j][2], dq4[j][3]);
-      }
-      fence_proxy_async_shared();  // for the bulk add's (async proxy) reads
-      __syncwarp();
-      if (lane == 0) mbarrier_arrive(&dq_full[b]);
-    } else {
-      int* sem = p.semaphores ? dq_semaphore(p, w, m) : nullptr;
-      if (sem) wait_turn(sem, tile.turn);
+      for (int kk = 1; kk < BLOCK_N / 16; ++kk)
+        Wgmma<T, DQ_SN>::ss<1, 1, 1>(dq, ds_tile_desc + kk * 16 * DS_CHUNKS, kt + kk * ROWS16);
+      wgmma_commit();
+    };
+    // The compute warps' own vector atomics of dQ columns col0 + [0, DQ_SN).
+    auto dq_atomics = [&](int col0) {
+      const int row = (warp % 4) * 16 + g;  // this thread's dQ rows: row, row + 8
       float* row_g = dq_row(p, w, m * BLOCK_M + row);
       float* row_g8 = dq_row(p, w, m * BLOCK_M + row + 8);
 #pragma unroll
-      for (int j = 0; j < DQ_N / 8; ++j) {
-        const int col = wg * DQ_N + j * 8;
+      for (int j = 0; j < DQ_SN / 8; ++j) {
+        const int col = col0 + j * 8;
         add_dq(row_g ? row_g + col : nullptr, row_g8 ? row_g8 + col : nullptr, dq4[j], c);
       }
-      if (sem) pass_turn(sem);
+    };
+    wgmma_pin(dk);
+    wgmma_fence();
+    dq_mma(0);
+    if constexpr (DKV_SPLIT) {  // dV += P^T dO, dK += dS^T Q on this warpgroup's columns, A from shared
+      wgmma_pin(dv);
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+        Wgmma<T, DKV_N>::ss<1, 1>(dv, dsk_tile_desc + DS_TILE + kk * 2, dot_desc + qs + kk * 128);
+      wgmma_commit();
+      wgmma_wait<1>();  // dQ slice 0 done; dV runs on under its atomics
+      wgmma_pin(dq);
+      // Deterministic turns among the compute warps only (the producer's warps have left).
+      int* sem = p.semaphores ? dq_semaphore(p, w, m) : nullptr;
+      if (sem) wait_turn(sem, tile.turn, [] { consumer_sync(); });
+      dq_atomics(wg * DQ_N);
+      wgmma_fence();  // dq's registers, read by the atomics, before slice 1 writes them
+      dq_mma(1);
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+        Wgmma<T, DKV_N>::ss<1, 1>(dk, dsk_tile_desc + kk * 2, qt_desc + qs + kk * 128);
+      wgmma_commit();
+      wgmma_wait<1>();  // dQ slice 1 done; dK runs on under its atomics
+      wgmma_pin(dq);
+      dq_atomics(wg * DQ_N + DQ_SN);
+      if (sem) pass_turn(sem, [] { consumer_sync(); });
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_M / 16; ++kk) Wgmma<T, DKV_N>::rs<1>(dk, da[kk], qt_desc + qs + kk * 128);
+      wgmma_commit();
+      wgmma_wait<1>();  // dV and dQ done; dK runs on under the atomics
+      wgmma_pin(dq);
+      if constexpr (DQ_STAGES > 0) {
+        const int row = (warp % 4) * 16 + g;  // this thread's dQ rows: row, row + 8
+        // Hand dQ to the bulk add: into buffer i % 2 once tile i - 2's was read, float4 f of row
+        // r at f ^ (r % 8) with r the accumulator row (DQ_SWIZZLE): a warp's 8 rows x 4 lanes
+        // then write 256 bytes in two conflict-free wavefronts.
+        const int b = i % DQ_STAGES;
+        if (i >= DQ_STAGES) mbarrier_wait(&dq_empty[b], (i / DQ_STAGES + 1) & 1);
+        float* buf = dq_smem + b * DQ_TILE;
+        const int x = static_cast<int>((row0 + m * BLOCK_M + row) & 7);  // rows row and row + 8 alike
+#pragma unroll
+        for (int j = 0; j < DQ_N / 8; ++j) {
+          const int f = ((wg * DQ_N + j * 8) / 4 + c / 2) ^ x;
+          *reinterpret_cast<float2*>(buf + row * HEAD_DIM + f * 4 + (c & 1) * 2) = make_float2(dq4[j][0], dq4[j][1]);
+          *reinterpret_cast<float2*>(buf + (row + 8) * HEAD_DIM + f * 4 + (c & 1) * 2) = make_float2(dq4[j][2], dq4[j][3]);
+        }
+        fence_proxy_async_shared();  // for the bulk add's (async proxy) reads
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(&dq_full[b]);
+      } else {
+        int* sem = p.semaphores ? dq_semaphore(p, w, m) : nullptr;  // (no PRODUCER here)
+        if (sem) wait_turn(sem, tile.turn);
+        dq_atomics(wg * DQ_N);
+        if (sem) pass_turn(sem);
+      }
     }
     wgmma_wait<0>();
     wgmma_pin(dk);
@@ -379,6 +450,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   // and both warpgroups are done with their last tile).
   cp_async_wait<0>();
   named_barrier(2, CONSUMERS);
-  store_dk_dv<D_TILES, CONSUMERS>(p, w, dk4, dv4, key0, g, c, [](int t) { return t; }, q_smem, tid,
+  store_dk_dv<D_TILES, CONSUMERS>(p, w, dk4, dv4, key0, g, c, [wg](int t) { return DKV_SPLIT ? wg * D_TILES + t : t; },
+                                  q_smem, tid,
                                   [] { named_barrier(2, CONSUMERS); });
 }
