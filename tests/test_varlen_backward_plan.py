@@ -69,7 +69,7 @@ def test_spec_is_the_tuned_tile_of_the_head_dim(launches, head_dim, tile, dtype)
     (64, True, None, True), (128, True, None, True), (128, True, "0", False), (256, True, None, True),
     (96, True, None, False), (128, False, None, False)])
 def test_hopper_rung_where_it_covers_the_head_dim(launches, monkeypatch, head_dim, hopper, knob, want):
-    """On sm_90 head_dim 64 / 128 run the wgmma rung (JITATTN_WGMMA=0 turns it off, as for the
+    """On sm_90 head_dim 64 / 128 / 256 run the wgmma rung (JITATTN_WGMMA=0 turns it off, as for the
     forward); other head dims and GPUs the mma.sync one."""
     monkeypatch.setattr(launch, "wgmma_allowed", lambda device: hopper and knob != "0")
     _, (spec, _), _ = call(launches, shape=dict(d=head_dim))

@@ -188,7 +188,8 @@ class VarlenBackwardSpec(KernelSpec):
     warpgroups splitting dK / dV along head_dim (warps_q=2); it builds for 9.0a only. `producer`
     (wgmma only) adds a third warpgroup that copies the query tiles by TMA and adds each tile's
     dQ with one bulk reduce-add, handing both over through mbarriers (FlashAttention-3's data
-    movement; jitattn.varlen.backward_launch.PRODUCER_HEAD_DIMS, the default at 64 and 128).
+    movement; jitattn.varlen.backward_launch.PRODUCER_HEAD_DIMS, the default at 64, 128, 256;
+    at 256 only the copies: the compute warpgroups add dQ themselves).
     `soft_cap`: the backward of the forward's logit soft cap (the cap a runtime argument)."""
 
     family: ClassVar[str] = "varlen_backward"
@@ -263,7 +264,10 @@ class VarlenBackwardSpec(KernelSpec):
         per key group; D128 190 / 180 against 117 / 114 (64 x 64, 4 warps) and 128 / 123
         (64 x 64, 8 warps). wgmma: 128 keys (two warpgroups of 64) x 64 queries: D64 207 / 192,
         D128 261 / 236; with the producer D64 388 / 332, D128 431 / 370 (128 queries a step at D64,
-        FlashAttention-3's hdim64 tile, measured 372 / 316 against 391 / 323: notes/backward-h200.md)."""
+        FlashAttention-3's hdim64 tile, measured 372 / 316 against 391 / 323: notes/backward-h200.md).
+        wgmma at D256: 64 keys x 64 queries, warps_q=2 (the warpgroups split dK / dV along
+        head_dim: 128 keys would need 256 accumulator registers a thread), with the producer 183 /
+        176 against 114 / 114 on mma.sync (notes/backward-d256.md)."""
         if wgmma:  # head_dim 256: 64 keys, the two warpgroups split dK / dV along head_dim (warps_q=2)
             return (128, 64, 1) if head_dim <= 128 else (64, 64, 2)
         return (128, 64, 1) if head_dim <= 128 else (64, 64, 2)
