@@ -577,9 +577,30 @@ def test_tma_is_a_spec_field_that_round_trips(head_dim, paged):
     assert not JINJA_LEFTOVER.search(kernels)
     assert "constexpr bool TMA = true;" in kernels and "cp.async.bulk.tensor.5d" in kernels
     assert "CUtensorMap" not in render.render(base, "ns")["kernels.cu"]
-    # Calls take it where it measured better: paged producer shapes, and packed keys at D128.
+    # Calls take it where it measured better: paged producer shapes, packed keys at D128, and the
+    # paged D128 decode tile on sm_90.
     assert VarlenSpec.takes_tma(head_dim, paged, False, True) is (paged or head_dim == 128)
-    assert not VarlenSpec.takes_tma(64, True, False, True) and not VarlenSpec.takes_tma(head_dim, True, True, False)
+    assert not VarlenSpec.takes_tma(64, True, False, True)
+    assert VarlenSpec.takes_tma(head_dim, True, True, False) is (head_dim == 128)
+    assert not VarlenSpec.takes_tma(128, True, True, False, hopper=False) and not VarlenSpec.takes_tma(128, False, True, False)
+
+
+def test_decode_tile_tma_renders_the_lockstep_copies_for_sm90a_only():
+    base = VarlenSpec(128, "bfloat16", True, True)
+    tma = dataclasses.replace(base, tma=True)
+    assert tma.name == base.name + "_tma" and spec_from_dict(tma.to_dict()) == tma
+    kernels = render.render(tma, "ns")["kernels.cu"]
+    assert not JINJA_LEFTOVER.search(kernels)
+    assert "constexpr bool LOCKSTEP_TMA = TMA && !PRODUCER;" in kernels and "cp.async.bulk.tensor.5d" in kernels
+    assert "wgmma.mma_async.sync" not in kernels  # only the mbarriers of wgmma.cuh
+    assert "CUtensorMap" not in render.render(base, "ns")["kernels.cu"]
+    assert tma.archs_for(("8.0", "9.0")) == ("9.0a",) and base.archs_for(("8.0", "9.0")) == ("8.0", "9.0")
+    with pytest.raises(ValueError, match="or TMA"):
+        tma.archs_for(("8.0",))
+    for block_n in (48, 128):  # thread 0 would not hold every 8th row's page id
+        with pytest.raises(ValueError, match="must divide 8"):
+            VarlenSpec(128, "bfloat16", True, True, 1, 1, block_n, 3, tma=True)
+    assert VarlenSpec(128, "bfloat16", True, True, 1, 1, 64, 3, tma=True).tma
 
 
 @pytest.mark.parametrize("fields", [dict(head_dim=64, wgmma=True), dict(head_dim=128)])

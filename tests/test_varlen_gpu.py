@@ -158,19 +158,21 @@ def test_decode_batch_matches_reference(case):
 
 
 # Decode tiles other than the default (each warp takes 16 keys of a tile: block_n / 16 warps),
-# as tools/bench_varlen.py --decode-tiles times them; cache/gpu-tests.toml holds them.
-DECODE_TILES = [(1, 1, 32, 3), (1, 1, 32, 6), (1, 1, 48, 4), (1, 1, 64, 3), (1, 1, 128, 3)]
+# as tools/bench_varlen.py --decode-tiles times them; cache/gpu-tests.toml holds them. The
+# fifth field: K/V by TMA (the default 32 x 3 takes it for paged keys on sm_90) or cp.async.
+DECODE_TILES = [(1, 1, 32, 3, False), (1, 1, 32, 6, False), (1, 1, 48, 4, False), (1, 1, 64, 3, False),
+                (1, 1, 128, 3, False), (1, 1, 32, 6, True), (1, 1, 64, 3, True)]
 
 
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("tile", DECODE_TILES, ids=[f"n{t[2]}s{t[3]}" for t in DECODE_TILES])
+@pytest.mark.parametrize("tile", DECODE_TILES, ids=[f"n{t[2]}s{t[3]}{'tma' if t[4] else ''}" for t in DECODE_TILES])
 def test_decode_tile_shapes_match_reference(tile, paged, monkeypatch):
     from jitattn.jit.loader import get_module
     from jitattn.kernel import OpKernel
     from jitattn.varlen import forward
     from jitattn.varlen.spec import VarlenSpec
 
-    spec = VarlenSpec(128, "bfloat16", paged, True, *tile)
+    spec = VarlenSpec(128, "bfloat16", paged, True, *tile[:4], tma=tile[4])
     monkeypatch.setitem(forward._kernels, (128, BF16, paged, True, False, False),
                         (OpKernel(get_module(spec)), spec.block_m, spec.block_n))
     rng = random.Random(7 + tile[2])

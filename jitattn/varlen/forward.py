@@ -8,7 +8,7 @@ from jitattn.jit import env
 from jitattn.jit.loader import get_module
 from jitattn.kernel import OpKernel
 from jitattn.varlen.checks import check_varlen_args, check_varlen_values
-from jitattn.varlen.plan import MAX_SPLITS, MIN_SPLIT_TILES, auto_splits, tile_kind
+from jitattn.varlen.plan import MAX_SPLITS, MIN_SPLIT_TILES, auto_splits, is_hopper, tile_kind
 from jitattn.varlen.spec import VarlenSpec
 
 LOG2E = 1.4426950408889634
@@ -40,7 +40,8 @@ def forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, windo
     entry = _kernels.get(kernel_key)
     if entry is None:
         spec = VarlenSpec(args.head_dim, check.DTYPE_NAMES[query.dtype], args.paged, decode, wgmma=wgmma,
-                          soft_cap=capped, tma=_takes_tma(args.head_dim, args.paged, decode, wgmma))
+                          soft_cap=capped, tma=_takes_tma(args.head_dim, args.paged, decode, wgmma,
+                                                          is_hopper(args.device)))
         entry = _kernels[kernel_key] = (OpKernel(get_module(spec)), spec.block_m, spec.block_n)
     kernel, block_m, tile_n = entry
     m_blocks = -(-max_q * group // block_m)

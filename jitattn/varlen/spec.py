@@ -10,12 +10,16 @@ from jitattn.jit.spec import DTYPE_TAGS, KernelSpec
 
 
 def _wgmma_archs(name: str, archs: tuple[str, ...]) -> tuple[str, ...]:
-    """The targets a wgmma kernel builds for: sm_90a for a '9.0' (or '9.0a') request; an error
+    """The targets a wgmma (or TMA) kernel builds for: sm_90a for a '9.0' (or '9.0a') request; an error
     naming the spec when no target is sm_90 (both families' Hopper rungs)."""
     hopper = sorted({a.rstrip("a") + "a" for a in archs if a.rstrip("a") == "9.0"})
     if not hopper:
-        raise ValueError(f"{name} uses wgmma, which only sm_90 (9.0a) has; target archs: {list(archs)}")
+        raise ValueError(f"{name} uses wgmma or TMA, which only sm_90 (9.0a) has; target archs: {list(archs)}")
     return tuple(hopper)
+
+
+# Paged decode tiles (D128) copy K/V by TMA on sm_90 (VarlenSpec.takes_tma).
+DECODE_TMA = True
 
 
 @register
@@ -51,7 +55,7 @@ class VarlenSpec(KernelSpec):
     soft_cap: bool = False  # logits cap * tanh(scale * s / cap); the cap is a runtime argument
     pingpong: bool = False  # wgmma with the producer: the warpgroups take turns on the GEMMs
     overlap: bool = False   # wgmma with the producer: softmax of S_j under O += P_{j-1} V_{j-1}
-    tma: bool = False       # wgmma with the producer: K/V tiles by TMA (calls take `takes_tma`)
+    tma: bool = False       # K/V tiles by TMA: wgmma with the producer, or decode tiles (calls take `takes_tma`)
 
     def __post_init__(self):
         if self.wgmma and not self.wgmma_fits(self.head_dim, self.decode):
@@ -64,7 +68,13 @@ class VarlenSpec(KernelSpec):
         if self.decode and (self.block_n % 16 or not 32 <= self.block_n <= 256):
             raise ValueError(f"varlen decode tiles give each warp 16 keys: block_n a multiple of 16 in [32, 256] "
                              f"(got {self.block_n})")
-        for name in ("pingpong", "overlap", "tma"):
+        # A decode tile's thread 0 copies rows 16 * block_n / head_dim apart: with tma it must hold
+        # the page id of every 8th row (each box's first), so that step divides 8.
+        step = 16 * self.block_n // self.head_dim
+        if self.tma and self.decode and (16 * self.block_n % self.head_dim or step not in (1, 2, 4, 8)):
+            raise ValueError(f"varlen decode tiles with tma=True copy rows 16 * block_n / head_dim apart per thread, "
+                             f"which must divide 8 (got block_n={self.block_n}, head_dim={self.head_dim})")
+        for name in ("pingpong", "overlap") + (() if self.decode else ("tma",)):
             if getattr(self, name) and not self.has_producer:
                 raise ValueError(f"varlen {name}=True schedules the wgmma rung's producer warpgroup, which head_dim "
                                  f">= 128 has (got head_dim={self.head_dim}, wgmma={self.wgmma})")
@@ -87,22 +97,27 @@ class VarlenSpec(KernelSpec):
                     rungs = ([True] if fits and hopper else []) + ([False] if other or not fits else [])
                 for w in rungs:
                     variant = {**fields, "paged": paged, "decode": decode, "wgmma": w}
-                    if "tma" not in fields and cls.takes_tma(fields.get("head_dim", 0), paged, decode, w):
-                        variant["tma"] = True
+                    if "tma" not in fields and cls.takes_tma(fields.get("head_dim", 0), paged, decode, w, hopper):
+                        variants.append({**variant, "tma": True})
+                        if w or not other:  # a decode tile on another GPU copies by cp.async
+                            continue
                     variants.append(variant)
         return variants
 
     @staticmethod
-    def takes_tma(head_dim: int, paged: bool, decode: bool, wgmma: bool) -> bool:
-        """Whether a call's kernel copies K/V by TMA (`tma`): the paged wgmma shapes with the
-        producer warpgroup (has_producer), and packed keys at D128. On the H200 (bf16 8 x 4k, D*H = 2048, full / causal
+    def takes_tma(head_dim: int, paged: bool, decode: bool, wgmma: bool, hopper: bool = True) -> bool:
+        """Whether a call's kernel copies K/V by TMA (`tma`; `hopper`: the call runs on sm_90):
+        the paged wgmma shapes with the producer warpgroup (has_producer), packed keys at D128,
+        and the paged D128 decode tile on sm_90 (DECODE_TMA; notes/paged-h200.md). On the H200 (bf16 8 x 4k, D*H = 2048, full / causal
         TFLOP/s, pages a random permutation; one box per tile or page; notes/forward-tma.md):
         paged D128 page 16 went from 270 / 263 (cp.async) to 582 / 537, 0.95x / 1.01x of
         contiguous (bench_varlen.py --parts paged-prefill), page 256 to 580 / 505, D256 from
         298 / 277 to 508 / 487 (tools/fwd_tma.py). Packed keys with TMA measured 634 / 548 against
         573 / 531 at D128 (+11% / +3%) and 563 / 520 against 571 / 524 at D256 (-1%) in the same
         job, so packed D128 takes it too."""
-        if not wgmma or decode or head_dim < 128:
+        if decode:
+            return DECODE_TMA and hopper and paged and head_dim == 128
+        if not wgmma or head_dim < 128:
             return False
         return paged or head_dim == 128
 
@@ -114,7 +129,7 @@ class VarlenSpec(KernelSpec):
     def archs_for(self, archs: tuple[str, ...]) -> tuple[str, ...]:
         """wgmma exists on sm_90 only, and only in the arch-specific target: a '9.0' request
         builds sm_90a; other archs cannot run this spec."""
-        return _wgmma_archs(self.name, archs) if self.wgmma else super().archs_for(archs)
+        return _wgmma_archs(self.name, archs) if self.wgmma or self.tma else super().archs_for(archs)
 
     @staticmethod
     def default_tile(head_dim: int, decode: bool, wgmma: bool = False) -> tuple[int, int, int, int]:
