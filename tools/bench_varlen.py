@@ -24,7 +24,7 @@ the same run.
 CUDA-event timing of device time (host time hidden), warm-up, cold L2 (each timed call reads a
 different input set, the sets together >= 256 MB), median of the timed calls.
 Run: python tools/bench_varlen.py [--quick] [--parts prefill paged-prefill decode skewed host backward]
-     [--decode-tiles 1,1,32,6 1,1,64,3 ...]
+     [--decode-tiles 1,1,32,6 1,1,64,3 1,1,32,3,1 ...]
      [--bwd-tiles 128,64,1 64,64,2 ...] [--bwd-variants other mma det peers skewed]
      [--bwd-producer auto|on|off] [--softcap CAP]
 With --softcap, the prefill rows (and the backward's `softcap` variant) also time jitattn with
@@ -164,7 +164,9 @@ def bench_prefill(args):
 # ---------------------------------------------------------------- (a') paged prefill
 def bench_paged_prefill(args):
     """The prefill rows at D128 with K/V in a page pool (pages a random permutation), page 16
-    and 256, beside the same keys contiguous and the peers on the contiguous keys."""
+    and 256, beside the same keys contiguous (also with seqused_k, which every paged call
+    passes) and the peers on the contiguous keys; contiguous is timed again last, so a drift of
+    the clocks over the run (power, heat) shows as the two contiguous columns differing."""
     batch, seq, head_dim, heads = 8, 4096, 128, 16
     tokens = batch * seq
     fn, params = torch_varlen()
@@ -178,8 +180,8 @@ def bench_paged_prefill(args):
     print(f"\n### paged prefill: bf16 D{head_dim}, {heads} heads, {batch} x {seq} tokens, pages a random "
           "permutation of the pool; TFLOP/s as the prefill rows\n")
     print("| causal | contiguous TFLOP/s | page 16 TFLOP/s (vs contiguous) | page 256 TFLOP/s (vs contiguous) "
-          "| torch varlen TFLOP/s | SDPA TFLOP/s |")
-    print("|---|---:|---:|---:|---:|---:|")
+          "| torch varlen TFLOP/s | SDPA TFLOP/s | contiguous + seqused_k | contiguous, timed last |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for causal in (False, True):
         window = (-1, 0) if causal else (-1, -1)
         flops = batch * 4 * seq * seq * head_dim * heads * (0.5 if causal else 1.0)
@@ -197,13 +199,16 @@ def bench_paged_prefill(args):
         theirs = ([lambda s=s: fn(s[0], s[1], s[2], cu_seq, cu_seq, seq, seq, **kw) for s in sets]
                   if fn is not None and kw is not None else [])
         sdpa = [lambda s=s: F.scaled_dot_product_attention(*s[3], is_causal=causal) for s in sets]
+        used_k = [lambda s=s: jitattn.varlen_attn(s[0], s[1], s[2], cu_seq, cu_seq, seq, seq, window_size=window,
+                                                  seqused_k=used) for s in sets]
         times = [timed(contiguous, args, "jitattn"), timed(paged(16), args, "jitattn page 16"),
                  timed(paged(256), args, "jitattn page 256"), timed(theirs, args, "torch varlen_attn"),
-                 timed(sdpa, args, "SDPA")]
+                 timed(sdpa, args, "SDPA"), timed(used_k, args, "jitattn seqused_k"),
+                 timed(contiguous, args, "jitattn again")]
         tf = [None if t is None else flops / t / 1e6 for t in times]
         vs = lambda t: "-" if t is None or times[0] is None else f"{times[0] / t:.2f}x"
         print(f"| {causal} | {fmt(tf[0])} | {fmt(tf[1])} ({vs(times[1])}) | {fmt(tf[2])} ({vs(times[2])}) "
-              f"| {fmt(tf[3])} | {fmt(tf[4])} |", flush=True)
+              f"| {fmt(tf[3])} | {fmt(tf[4])} | {fmt(tf[5])} | {fmt(tf[6])} |", flush=True)
     del sets
     torch.cuda.empty_cache()
 
@@ -283,7 +288,8 @@ def bench_decode(args):
 
 def _with_decode_tile(tile, head_dim):
     """A context in which paged decode-shaped calls (bf16) run the decode tile `tile` =
-    (warps_m, m_tiles, block_n, stages) instead of VarlenSpec.default_tile."""
+    (warps_m, m_tiles, block_n, stages[, tma]) instead of VarlenSpec.default_tile (a fifth
+    field: K/V by TMA (1) or cp.async (0), else the calls' default, VarlenSpec.takes_tma)."""
     import contextlib
 
     from jitattn.jit.loader import get_module
@@ -295,7 +301,8 @@ def _with_decode_tile(tile, head_dim):
     def ctx():
         saved = {}
         for paged in (True, False):
-            spec = VarlenSpec(head_dim, "bfloat16", paged, True, *tile)
+            tma = bool(tile[4]) if len(tile) > 4 else forward._takes_tma(head_dim, paged, True, False)
+            spec = VarlenSpec(head_dim, "bfloat16", paged, True, *tile[:4], tma=tma)
             key = (head_dim, BF16, paged, True, False, False)  # forward._kernels: ..., decode, wgmma, soft cap
             saved[key] = forward._kernels.get(key)
             forward._kernels[key] = (OpKernel(get_module(spec)), spec.block_m, spec.block_n)
@@ -578,9 +585,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer timed calls (10 instead of 30)")
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
-    parser.add_argument("--decode-tiles", nargs="*", metavar="WM,MT,N,S",
-                        help="paged decode: also time these (warps_m, m_tiles, block_n, stages) decode tiles "
-                             "(compiled on first use) at num_splits None, 2 and 4")
+    parser.add_argument("--decode-tiles", nargs="*", metavar="WM,MT,N,S[,TMA]",
+                        help="paged decode: also time these (warps_m, m_tiles, block_n, stages[, tma 0/1]) decode "
+                             "tiles (compiled on first use) at num_splits None, 2 and 4")
     parser.add_argument("--bwd-tiles", nargs="*", metavar="N,M,Q",
                         help="backward: also time these (block_n, block_m, warps_q) tiles (prebuilt)")
     parser.add_argument("--bwd-variants", nargs="*", default=["other", "mma", "det", "peers", "skewed"],
