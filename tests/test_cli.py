@@ -406,6 +406,7 @@ def test_explain_with_nothing_exits_2(capsys):
 # ------------------------------------------------------------------ spec flags for every family
 from jitattn.jit import registry  # noqa: E402
 from jitattn.varlen.spec import VarlenSpec  # noqa: E402
+from jitattn.varlen import spec as varlen_spec  # noqa: E402
 
 
 def dry_run(capsys, *argv):
@@ -427,17 +428,18 @@ def test_prewarm_varlen_dry_run_lists_what_calls_on_the_arch_run(capsys, no_buil
     may run on sm_90 (both paging modes and tile shapes; prefill on the wgmma rung there)."""
     got, out = dry_run(capsys, "prewarm", "--family", "varlen", "--head-dim", "64,128", "--dtype", "bfloat16",
                        "--arch", "9.0")
-    # TMA: prefill at D128 (paged: D >= 128), and the paged D128 decode tile (sm_90 only).
-    want = [VarlenSpec(d, "bfloat16", paged, decode, wgmma=not decode, tma=d == 128 and (paged or not decode))
+    # TMA: prefill at D128 (paged: D >= 128), and, if DECODE_TMA, the paged D128 decode tile.
+    want = [VarlenSpec(d, "bfloat16", paged, decode, wgmma=not decode,
+                       tma=d == 128 and (not decode or (paged and varlen_spec.DECODE_TMA)))
             for d in (64, 128) for paged in (False, True) for decode in (False, True)]
     assert [registry.spec_from_dict(d) for d in got] == want
     assert "prewarm --dry-run: 8 specializations for 9.0" in out
     assert "varlen_bf16_d64_prefill_wgmma_m8x1n64s3  [9.0a]" in out and "varlen_bf16_d64_decode_m1x1n64s3  [9.0]" in out
-    assert "varlen_bf16_d128_paged_decode_m1x1n32s3_tma  [9.0a]" in out
 
 
-def test_prewarm_paged_decode_on_hopper_and_another_gpu_lists_both_copies(capsys, no_builds):
-    """The paged D128 decode tile copies by TMA on sm_90 only: an A100 target keeps cp.async."""
+def test_prewarm_paged_decode_on_hopper_and_another_gpu_lists_both_copies(capsys, no_builds, monkeypatch):
+    """With DECODE_TMA the paged D128 decode tile copies by TMA on sm_90 only: an A100 target keeps cp.async."""
+    monkeypatch.setattr(varlen_spec, "DECODE_TMA", True)
     got, out = dry_run(capsys, "prewarm", "--family", "varlen", "--head-dim", "128", "--dtype", "bfloat16",
                        "--paged", "on", "--decode", "on", "--arch", "8.0;9.0")
     assert [registry.spec_from_dict(d) for d in got] == [VarlenSpec(128, "bfloat16", True, True, tma=True),

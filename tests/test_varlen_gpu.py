@@ -159,9 +159,9 @@ def test_decode_batch_matches_reference(case):
 
 # Decode tiles other than the default (each warp takes 16 keys of a tile: block_n / 16 warps),
 # as tools/bench_varlen.py --decode-tiles times them; cache/gpu-tests.toml holds them. The
-# fifth field: K/V by TMA (the default 32 x 3 takes it for paged keys on sm_90) or cp.async.
+# fifth field: K/V by TMA (sm_90 only; off by default, VarlenSpec.takes_tma) or cp.async.
 DECODE_TILES = [(1, 1, 32, 3, False), (1, 1, 32, 6, False), (1, 1, 48, 4, False), (1, 1, 64, 3, False),
-                (1, 1, 128, 3, False), (1, 1, 32, 6, True), (1, 1, 64, 3, True)]
+                (1, 1, 128, 3, False), (1, 1, 32, 3, True), (1, 1, 32, 6, True), (1, 1, 64, 3, True)]
 
 
 @pytest.mark.parametrize("paged", [False, True])

@@ -247,9 +247,9 @@ def bench_decode(args):
         return jitattn.varlen_attn(s[0], s[1], s[2], cu_q, None, 1, kv_len, enable_gqa=True, seqused_k=seqused,
                                    block_table=s[3], num_splits=splits)
 
-    def ours_packed(s, splits):
+    def ours_packed(s, splits, used=None):
         return jitattn.varlen_attn(s[0], s[7][0], s[7][1], cu_q, cu_k, 1, kv_len, enable_gqa=True,
-                                   num_splits=splits)
+                                   num_splits=splits, seqused_k=used)
 
     sdpa_kw = {"enable_gqa": True} if gqa else {}
     sdpa = [lambda s=s: F.scaled_dot_product_attention(s[4], s[5], s[6], **sdpa_kw) for s in sets]
@@ -274,6 +274,10 @@ def bench_decode(args):
                    f"decode tile {tile} packed vs SDPA")
             rows.append((f"jitattn tile {tile}, packed KV (num_splits=None)",
                          timed([lambda s=s: ours_packed(s, None) for s in sets], args, f"jitattn {tile} packed")))
+            # packed with seqused_k (which every paged call passes): what of the paging cost is that
+            rows.append((f"jitattn tile {tile}, packed KV + seqused_k (num_splits=None)",
+                         timed([lambda s=s: ours_packed(s, None, seqused) for s in sets], args,
+                               f"jitattn {tile} packed seqused_k")))
     print(f"\n### paged decode: bf16 D{head_dim}, {batch} x {kv_len} keys, {h_q}/{h_kv} heads, page {page}, "
           f"max_q=1\n")
     print("| implementation | us | TB/s | jitattn speedup |")

@@ -18,8 +18,11 @@ def _wgmma_archs(name: str, archs: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(hopper)
 
 
-# Paged decode tiles (D128) copy K/V by TMA on sm_90 (VarlenSpec.takes_tma).
-DECODE_TMA = True
+# Whether calls' paged D128 decode tiles copy K/V by TMA on sm_90 (VarlenSpec.takes_tma). Off:
+# on the H200 (bf16 64 x 4k keys, 32/8 heads, page 16, notes/paged-h200.md) the 32 x 3 tile ran
+# 265.8 us by TMA against 264.3 by cp.async (packed keys 260.0 against 245.1). Specs with
+# tma=True on decode shapes still build and run (tools/bench_varlen.py --decode-tiles N,M,K,S,1).
+DECODE_TMA = False
 
 
 @register
@@ -108,7 +111,7 @@ class VarlenSpec(KernelSpec):
     def takes_tma(head_dim: int, paged: bool, decode: bool, wgmma: bool, hopper: bool = True) -> bool:
         """Whether a call's kernel copies K/V by TMA (`tma`; `hopper`: the call runs on sm_90):
         the paged wgmma shapes with the producer warpgroup (has_producer), packed keys at D128,
-        and the paged D128 decode tile on sm_90 (DECODE_TMA; notes/paged-h200.md). On the H200 (bf16 8 x 4k, D*H = 2048, full / causal
+        and, if DECODE_TMA (off: no gain measured), the paged D128 decode tile on sm_90. On the H200 (bf16 8 x 4k, D*H = 2048, full / causal
         TFLOP/s, pages a random permutation; one box per tile or page; notes/forward-tma.md):
         paged D128 page 16 went from 270 / 263 (cp.async) to 582 / 537, 0.95x / 1.01x of
         contiguous (bench_varlen.py --parts paged-prefill), page 256 to 580 / 505, D256 from
