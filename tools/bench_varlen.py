@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import statistics
 import sys
 from pathlib import Path
 
@@ -165,8 +166,10 @@ def bench_prefill(args):
 def bench_paged_prefill(args):
     """The prefill rows at D128 with K/V in a page pool (pages a random permutation), page 16
     and 256, beside the same keys contiguous (also with seqused_k, which every paged call
-    passes) and the peers on the contiguous keys; contiguous is timed again last, so a drift of
-    the clocks over the run (power, heat) shows as the two contiguous columns differing."""
+    passes) and the peers on the contiguous keys. The clocks drift over a run (power, heat: one
+    H200 job measured contiguous 639 TFLOP/s first and 564 timed last), so the rows are timed in
+    interleaved rounds (every call once per round) and each column is the median over rounds;
+    the last column is contiguous's spread over the rounds."""
     batch, seq, head_dim, heads = 8, 4096, 128, 16
     tokens = batch * seq
     fn, params = torch_varlen()
@@ -180,7 +183,7 @@ def bench_paged_prefill(args):
     print(f"\n### paged prefill: bf16 D{head_dim}, {heads} heads, {batch} x {seq} tokens, pages a random "
           "permutation of the pool; TFLOP/s as the prefill rows\n")
     print("| causal | contiguous TFLOP/s | page 16 TFLOP/s (vs contiguous) | page 256 TFLOP/s (vs contiguous) "
-          "| torch varlen TFLOP/s | SDPA TFLOP/s | contiguous + seqused_k | contiguous, timed last |")
+          "| torch varlen TFLOP/s | SDPA TFLOP/s | contiguous + seqused_k | contiguous min-max over rounds |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for causal in (False, True):
         window = (-1, 0) if causal else (-1, -1)
@@ -201,14 +204,17 @@ def bench_paged_prefill(args):
         sdpa = [lambda s=s: F.scaled_dot_product_attention(*s[3], is_causal=causal) for s in sets]
         used_k = [lambda s=s: jitattn.varlen_attn(s[0], s[1], s[2], cu_seq, cu_seq, seq, seq, window_size=window,
                                                   seqused_k=used) for s in sets]
-        times = [timed(contiguous, args, "jitattn"), timed(paged(16), args, "jitattn page 16"),
-                 timed(paged(256), args, "jitattn page 256"), timed(theirs, args, "torch varlen_attn"),
-                 timed(sdpa, args, "SDPA"), timed(used_k, args, "jitattn seqused_k"),
-                 timed(contiguous, args, "jitattn again")]
+        calls = [(contiguous, "jitattn"), (paged(16), "jitattn page 16"), (paged(256), "jitattn page 256"),
+                 (theirs, "torch varlen_attn"), (sdpa, "SDPA"), (used_k, "jitattn seqused_k")]
+        rounds = [[timed(f, args, what) for f, what in calls] for _ in range(args.rounds)]
+        times = [None if any(r[i] is None for r in rounds) else statistics.median(r[i] for r in rounds)
+                 for i in range(len(calls))]
         tf = [None if t is None else flops / t / 1e6 for t in times]
         vs = lambda t: "-" if t is None or times[0] is None else f"{times[0] / t:.2f}x"
+        spread = sorted(flops / r[0] / 1e6 for r in rounds if r[0] is not None)
         print(f"| {causal} | {fmt(tf[0])} | {fmt(tf[1])} ({vs(times[1])}) | {fmt(tf[2])} ({vs(times[2])}) "
-              f"| {fmt(tf[3])} | {fmt(tf[4])} | {fmt(tf[5])} | {fmt(tf[6])} |", flush=True)
+              f"| {fmt(tf[3])} | {fmt(tf[4])} | {fmt(tf[5])} | {fmt(spread[0] if spread else None)}-"
+              f"{fmt(spread[-1] if spread else None)} |", flush=True)
     del sets
     torch.cuda.empty_cache()
 
@@ -608,6 +614,7 @@ def main():
                              "jitattn's default (auto)")
     args = parser.parse_args()
     args.warmup, args.reps = (3, 10) if args.quick else (5, 30)
+    args.rounds = 3 if args.quick else 5  # paged-prefill: interleaved rounds (clock drift)
     fn, params = torch_varlen()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"torch varlen_attn: {'-' if fn is None else '(' + ', '.join(sorted(params)) + ')'}  "
