@@ -565,12 +565,17 @@ def test_wgmma_schedules_are_spec_fields_that_round_trip(head_dim):
     assert variants[3].name.endswith("_pingpong_overlap")
 
 
-@pytest.mark.parametrize("head_dim, paged", [(128, True), (256, False)])
+@pytest.mark.parametrize("head_dim, paged", [(128, True), (256, False), (64, False)])
 def test_tma_is_a_spec_field_that_round_trips(head_dim, paged):
     base = VarlenSpec(head_dim=head_dim, dtype="bfloat16", paged=paged, wgmma=True)
     assert base.tma is False  # the old kernel
     tma = dataclasses.replace(base, tma=True)
     target = keys.BuildTarget(("9.0",), "13.0.88", "gcc 12.2.0")
+    if head_dim == 64:  # TMA brings the producer warpgroup, and its own default tile
+        fresh = VarlenSpec(head_dim=64, dtype="bfloat16", wgmma=True, tma=True)
+        assert not base.has_producer and tma.has_producer and (fresh.block_n, fresh.stages) == (128, 4)
+        assert "constexpr bool PRODUCER = true;" in render.render(tma, "ns")["kernels.cu"]
+        assert "constexpr bool PRODUCER = false;" in render.render(base, "ns")["kernels.cu"]
     assert tma.name == base.name + "_tma"
     assert keys.key_of(keys.components(tma, target)) != keys.key_of(keys.components(base, target))
     assert spec_from_dict(tma.to_dict()) == tma and tma.to_dict()["tma"] is True
@@ -578,9 +583,9 @@ def test_tma_is_a_spec_field_that_round_trips(head_dim, paged):
     assert not JINJA_LEFTOVER.search(kernels)
     assert "constexpr bool TMA = true;" in kernels and "cp.async.bulk.tensor.5d" in kernels
     assert "CUtensorMap" not in render.render(base, "ns")["kernels.cu"]
-    # Calls take it where it measured better: paged producer shapes, packed keys at D128 (and the
+    # Calls take it where it measured better: paged producer shapes, packed keys at D64 / D128 (and the
     # paged D128 decode tile on sm_90 if DECODE_TMA: off, no gain measured).
-    assert VarlenSpec.takes_tma(head_dim, paged, False, True) is (paged or head_dim == 128)
+    assert VarlenSpec.takes_tma(head_dim, paged, False, True) is (paged or head_dim in (64, 128))
     assert not VarlenSpec.takes_tma(64, True, False, True)
     assert VarlenSpec.takes_tma(head_dim, True, True, False) is (head_dim == 128 and varlen_spec.DECODE_TMA)
     assert not VarlenSpec.takes_tma(128, True, True, False, hopper=False) and not VarlenSpec.takes_tma(128, False, True, False)
@@ -604,9 +609,9 @@ def test_decode_tile_tma_renders_the_lockstep_copies_for_sm90a_only():
     assert VarlenSpec(128, "bfloat16", True, True, 1, 1, 64, 3, tma=True).tma
 
 
-@pytest.mark.parametrize("fields", [dict(head_dim=64, wgmma=True), dict(head_dim=128)])
+@pytest.mark.parametrize("fields", [dict(head_dim=64), dict(head_dim=128)])
 def test_tma_needs_the_producer_warpgroup(fields):
-    with pytest.raises(ValueError, match="producer warpgroup"):
+    with pytest.raises(ValueError, match="producer warpgroup"):  # the mma.sync rung has none
         VarlenSpec(**fields, tma=True)
 
 

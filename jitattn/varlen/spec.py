@@ -64,7 +64,7 @@ class VarlenSpec(KernelSpec):
         if self.wgmma and not self.wgmma_fits(self.head_dim, self.decode):
             raise ValueError(f"wgmma varlen kernels are prefill-only with head_dim a multiple of 64 "
                              f"(got head_dim={self.head_dim}, decode={self.decode})")
-        tile = self.default_tile(self.head_dim, self.decode, self.wgmma)
+        tile = self.default_tile(self.head_dim, self.decode, self.wgmma, self.tma)
         for name, value in zip(("warps_m", "m_tiles", "block_n", "stages"), tile):
             if getattr(self, name) == 0:
                 object.__setattr__(self, name, value)
@@ -80,7 +80,8 @@ class VarlenSpec(KernelSpec):
         for name in ("pingpong", "overlap") + (() if self.decode else ("tma",)):
             if getattr(self, name) and not self.has_producer:
                 raise ValueError(f"varlen {name}=True schedules the wgmma rung's producer warpgroup, which head_dim "
-                                 f">= 128 has (got head_dim={self.head_dim}, wgmma={self.wgmma})")
+                                 f">= 128 has, and head_dim 64 with tma=True (got head_dim={self.head_dim}, "
+                                 f"wgmma={self.wgmma}, tma={self.tma})")
 
     @classmethod
     def prewarm_variants(cls, fields: dict, archs: tuple[str, ...]) -> list[dict]:
@@ -110,18 +111,22 @@ class VarlenSpec(KernelSpec):
     @staticmethod
     def takes_tma(head_dim: int, paged: bool, decode: bool, wgmma: bool, hopper: bool = True) -> bool:
         """Whether a call's kernel copies K/V by TMA (`tma`; `hopper`: the call runs on sm_90):
-        the paged wgmma shapes with the producer warpgroup (has_producer), packed keys at D128,
-        and, if DECODE_TMA (off: no gain measured), the paged D128 decode tile on sm_90. On the H200 (bf16 8 x 4k, D*H = 2048, full / causal
+        the paged wgmma shapes with the producer warpgroup (has_producer), packed keys at D64 and
+        D128, and, if DECODE_TMA (off: no gain measured), the paged D128 decode tile on sm_90. On the H200 (bf16 8 x 4k, D*H = 2048, full / causal
         TFLOP/s, pages a random permutation; one box per tile or page; notes/forward-tma.md):
         paged D128 page 16 went from 270 / 263 (cp.async) to 582 / 537, 0.95x / 1.01x of
         contiguous (bench_varlen.py --parts paged-prefill), page 256 to 580 / 505, D256 from
         298 / 277 to 508 / 487 (tools/fwd_tma.py). Packed keys with TMA measured 634 / 548 against
         573 / 531 at D128 (+11% / +3%) and 563 / 520 against 571 / 524 at D256 (-1%) in the same
-        job, so packed D128 takes it too."""
+        job, so packed D128 takes it too. At D64, TMA brings a producer warpgroup (one CTA per SM
+        instead of the lockstep loop's two): packed keys +3-5% (see default_tile); paged D64 keeps
+        the lockstep loop until TMA is measured there."""
         if decode:
             return DECODE_TMA and hopper and paged and head_dim == 128
-        if not wgmma or head_dim < 128:
+        if not wgmma or head_dim < 64:
             return False
+        if head_dim == 64:
+            return not paged
         return paged or head_dim == 128
 
     @staticmethod
@@ -135,7 +140,7 @@ class VarlenSpec(KernelSpec):
         return _wgmma_archs(self.name, archs) if self.wgmma or self.tma else super().archs_for(archs)
 
     @staticmethod
-    def default_tile(head_dim: int, decode: bool, wgmma: bool = False) -> tuple[int, int, int, int]:
+    def default_tile(head_dim: int, decode: bool, wgmma: bool = False, tma: bool = False) -> tuple[int, int, int, int]:
         """(warps_m, m_tiles, block_n, stages), from the tools/tune_varlen.py sweep on the H200:
         prefill bf16 8x4k, head_dim 64/128 best at 4 warps x 32 rows x 64 keys (D128: 32-key
         tiles within 3%, 8 warps x 16 rows 5-10% slower), 256 at 8 warps x 16 rows x 64 keys
@@ -147,8 +152,14 @@ class VarlenSpec(KernelSpec):
         one CTA per SM: -37%), not re-measured. The wgmma rung (two warpgroups of 64 rows)
         measured best at 64 keys x 3 stages for D64 (2 CTAs per SM; 128 keys: -20%), and, with its producer warpgroup, 128
         keys x 3 stages for D128 (64 or 96 keys: -7 to -18%; 2 stages: -22%) and 48 keys x 3
-        stages for D256 (64 or 80 keys fit only 2 stages: -20%)."""
+        stages for D256 (64 or 80 keys fit only 2 stages: -20%). D64 with TMA (and so a producer):
+        128 keys x 4 stages, 428-434 / 350-359 TFLOP/s full / causal against the lockstep loop's
+        410-414 / 344 in the same job; 64 keys x 3-4: 364-375 / 315-327; 128 x 3: 411-415 /
+        346-348; three compute warpgroups (192 rows, 160 registers) x 128 keys x 3: 442 / 339-344
+        (2 stages: 288 / 251) (notes/forward-h200.md)."""
         if wgmma:
+            if head_dim == 64 and tma:
+                return (8, 1, 128, 4)
             return {64: (8, 1, 64, 3), 128: (8, 1, 128, 3)}.get(head_dim, (8, 1, 48, 3))
         if decode:
             return (1, 1, 32, 3) if head_dim == 128 else (1, 1, 64, 3 if head_dim < 128 else 2)
@@ -156,15 +167,15 @@ class VarlenSpec(KernelSpec):
 
     @property
     def has_producer(self) -> bool:
-        """The wgmma rung hands K/V copies to a producer warpgroup from head_dim 128 (the template's
-        PRODUCER). Only those shapes have `pingpong` / `overlap`: how the two compute warpgroups
+        """The wgmma rung hands K/V copies to a producer warpgroup from head_dim 128, and at 64 when
+        they come by TMA (the template's PRODUCER). Only those shapes have `pingpong` / `overlap`: how the two compute warpgroups
         order their GEMMs (templates/varlen/kernels.cu.j2, PINGPONG and OVERLAP). Both default to
         off (the old kernel) and no call turns them on: on the H200 (bf16 8 x 4k, full / causal
         TFLOP/s, same run, tools/fwd_schedule.py) D128 603 / 495 without, 595 / 495 pingpong,
         592 / 496 overlap, 525 / 478 both; D256 573 / 516, 570 / 515, 567 / 505, 508 / 479 (see
         notes/forward-h200.md). A shape that gains from one would take it where the call's spec
         is made (jitattn/varlen/forward.py), as `wgmma` is."""
-        return self.wgmma and self.head_dim >= 128
+        return self.wgmma and (self.head_dim >= 128 or self.tma)
 
     @property
     def warps_n(self) -> int:
