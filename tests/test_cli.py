@@ -428,11 +428,11 @@ def test_prewarm_varlen_dry_run_lists_what_calls_on_the_arch_run(capsys, no_buil
     may run on sm_90 (both paging modes and tile shapes; prefill on the wgmma rung there)."""
     got, out = dry_run(capsys, "prewarm", "--family", "varlen", "--head-dim", "64,128", "--dtype", "bfloat16",
                        "--arch", "9.0")
-    # TMA: prefill at D64 and D128 (paged: D >= 128), and, if DECODE_TMA, the paged D128 decode tile.
+    # TMA: every prefill at D64 and D128, and, if DECODE_TMA, the paged D128 decode tile.
     want = [VarlenSpec(d, "bfloat16", paged, decode, wgmma=not decode,
                        tma=VarlenSpec.takes_tma(d, paged, decode, not decode))
             for d in (64, 128) for paged in (False, True) for decode in (False, True)]
-    assert [s.tma for s in want] == [True, False, False, False, True, False, True, False]
+    assert [s.tma for s in want] == [True, False, True, False, True, False, True, False]
     assert [registry.spec_from_dict(d) for d in got] == want
     assert "prewarm --dry-run: 8 specializations for 9.0" in out
     assert "varlen_bf16_d64_prefill_wgmma_m8x1n128s4_tma  [9.0a]" in out and "varlen_bf16_d64_decode_m1x1n64s3  [9.0]" in out

@@ -119,15 +119,14 @@ class VarlenSpec(KernelSpec):
         298 / 277 to 508 / 487 (tools/fwd_tma.py). Packed keys with TMA measured 634 / 548 against
         573 / 531 at D128 (+11% / +3%) and 563 / 520 against 571 / 524 at D256 (-1%) in the same
         job, so packed D128 takes it too. At D64, TMA brings a producer warpgroup (one CTA per SM
-        instead of the lockstep loop's two): packed keys +3-5% (see default_tile); paged D64 keeps
-        the lockstep loop until TMA is measured there."""
+        instead of the lockstep loop's two): packed keys +3-5% (see default_tile). Paged D64 takes
+        the same kernel (its pages under 16 rows by the producer's cp.async), so paged and packed
+        keys keep giving the same bits (one tile shape, one reduction order)."""
         if decode:
             return DECODE_TMA and hopper and paged and head_dim == 128
         if not wgmma or head_dim < 64:
             return False
-        if head_dim == 64:
-            return not paged
-        return paged or head_dim == 128
+        return paged or head_dim <= 128
 
     @staticmethod
     def wgmma_fits(head_dim: int, decode: bool) -> bool:
