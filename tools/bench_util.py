@@ -49,6 +49,25 @@ def time_us(fns, warmup: int = 5, reps: int = 30, calls: int = 1) -> float:
     return statistics.median(s.elapsed_time(e) * 1e3 / calls for s, e in zip(starts, ends))
 
 
+def interleaved_us(timers: dict, rounds: int) -> dict:
+    """Time every entry of `timers` (name -> a no-argument function that times once and returns
+    microseconds, e.g. a time_us call) once per round, in turn, for `rounds` rounds; name ->
+    the sorted times. The H200's clocks drift over a job (power, heat: the same kernel measured
+    639 then 564 TFLOP/s minutes apart), so variants timed one after another differ by the drift;
+    interleaved, each round meets every variant at about the same clock, and the median over
+    rounds with the spread says how far apart two variants really are."""
+    times = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            times[name].append(timer())
+    return {name: sorted(t) for name, t in times.items()}
+
+
+def median_spread(times: list) -> tuple:
+    """(median, min, max) of one entry of interleaved_us."""
+    return statistics.median(times), times[0], times[-1]
+
+
 def host_us_per_call(fn, calls: int = 10000) -> float:
     """Wall time per call of a loop of `calls` calls, synchronizing once at the end."""
     for _ in range(100):

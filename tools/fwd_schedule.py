@@ -1,9 +1,11 @@
 """The wgmma prefill forward's GEMM schedules (VarlenSpec pingpong / overlap) side by side.
 
-As a benchmark: bf16 8 x 4096 tokens, D*H = 2048, causal and full, each schedule of the D128 and
-D256 kernels (D64 has no producer warpgroup, so no schedule) beside SDPA in the same run, after a
-float64-reference check of each schedule on a ragged causal / windowed / GQA / paged batch.
-  python tools/fwd_schedule.py [--quick] [--head-dims 128 256]
+As a benchmark: bf16 8 x 4096 tokens, D*H = 2048, causal and full, each schedule of the kernels
+with a producer warpgroup (D128, D256, and D64 since its TMA kernel has one) beside SDPA in the
+same run, after a float64-reference check of each schedule on a ragged causal / windowed / GQA /
+paged batch. The schedules and SDPA are timed in interleaved rounds (the clocks drift over a job
+by as much as the differences being judged), each cell the median with the rounds' min-max.
+  python tools/fwd_schedule.py [--quick] [--head-dims 64 128 256] [--rounds 3]
 Variants (--schedules) are "none", "pingpong", "overlap", "pingpong,overlap", "default", each
 optionally for one head_dim and with tile fields: "d128:block_n=96,stages=4,pingpong".
 As a pytest plugin: FWD_SCHEDULE=<variant> python -m
@@ -84,12 +86,13 @@ def main():
     import torch.nn.functional as F
 
     import jitattn
-    from bench_util import sets_needed, time_us
+    from bench_util import interleaved_us, median_spread, sets_needed, time_us
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 256])
     parser.add_argument("--schedules", nargs="+", default=["none", "pingpong", "overlap", "pingpong,overlap"])
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (bench_util.interleaved_us)")
     args = parser.parse_args()
     reps = 10 if args.quick else 30
     bf16, batch, seq = torch.bfloat16, 8, 4096
@@ -103,6 +106,7 @@ def main():
                 print(f"check {name} d{d}: ok, worst rel err {check_schedule(d):.2e}", flush=True)
             except AssertionError as exc:
                 print(f"check {name} d{d}: FAILED {str(exc)[:300]}", flush=True)
+    print(f"\nTFLOP/s, the median over {args.rounds} interleaved rounds (min-max over rounds in brackets)")
     print("\n| D | causal | " + " | ".join(f"{n} TFLOP/s" for n in args.schedules) + " | SDPA TFLOP/s | best / SDPA |")
     print("|---:|---|" + "---:|" * (len(args.schedules) + 2))
     for head_dim in args.head_dims:
@@ -114,20 +118,23 @@ def main():
         for causal in (False, True):
             window = (-1, 0) if causal else (-1, -1)
             flops = batch * 4 * seq * seq * head_dim * heads * (0.5 if causal else 1.0)
-            row = []
-            for name in args.schedules:
-                if parse(name)[0] not in (None, head_dim):
-                    row.append(None)
-                    continue
-                use_schedule(name)
-                fns = [lambda s=s: jitattn.varlen_attn(s[0], s[1], s[2], cu_seq, cu_seq, seq, seq, window_size=window)
-                       for s in sets]
-                row.append(flops / time_us(fns, warmup=5, reps=reps) / 1e6)
+            fns = [lambda s=s: jitattn.varlen_attn(s[0], s[1], s[2], cu_seq, cu_seq, seq, seq, window_size=window)
+                   for s in sets]
+
+            def timer(name):
+                def run():
+                    use_schedule(name)
+                    return time_us(fns, warmup=5, reps=reps)
+                return run
+            timers = {name: timer(name) for name in args.schedules if parse(name)[0] in (None, head_dim)}
             sdpa = [lambda s=s: F.scaled_dot_product_attention(*s[3], is_causal=causal) for s in sets]
-            peer = flops / time_us(sdpa, warmup=5, reps=reps) / 1e6
-            best = max(x for x in row if x is not None)
-            print(f"| {head_dim} | {causal} | " + " | ".join("-" if x is None else f"{x:.1f}" for x in row) +
-                  f" | {peer:.1f} | {best / peer:.2f}x |", flush=True)
+            timers["SDPA"] = lambda: time_us(sdpa, warmup=5, reps=reps)
+            tf = {name: [flops / t / 1e6 for t in median_spread(times)]  # (median, fastest, slowest)
+                  for name, times in interleaved_us(timers, args.rounds).items()}
+            cell = lambda name: "-" if name not in tf else f"{tf[name][0]:.1f} ({tf[name][2]:.0f}-{tf[name][1]:.0f})"
+            best = max(tf[n][0] for n in args.schedules if n in tf)
+            print(f"| {head_dim} | {causal} | " + " | ".join(cell(n) for n in args.schedules) +
+                  f" | {cell('SDPA')} | {best / tf['SDPA'][0]:.2f}x |", flush=True)
         del sets
         torch.cuda.empty_cache()
     use_schedule("default")

@@ -10,6 +10,7 @@ prefill call (what encoding the two tensor maps per call costs).
   PYTHONPATH=<checkout> python tools/fwd_tma.py [--quick] [--variants default tma=0 tma=1] [--tag main]
 The checkout on PYTHONPATH is the one measured (nothing here puts this file's own on sys.path),
 so another checkout's kernels can be timed in the same job ("default" is all an older one knows).
+Variants, layouts and SDPA are timed in interleaved rounds (--rounds; the clocks drift over a job).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import jitattn
-from bench_util import host_us_per_call, page_pools, sets_needed, time_us
+from bench_util import host_us_per_call, interleaved_us, median_spread, page_pools, sets_needed, time_us
 
 BF16 = torch.bfloat16
 
@@ -77,6 +78,7 @@ def main():
     parser.add_argument("--variants", nargs="+", default=["default"])
     parser.add_argument("--tag", default="")
     parser.add_argument("--no-check", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (bench_util.interleaved_us)")
     args = parser.parse_args()
     reps = 10 if args.quick else 30
     tag = f"{args.tag} " if args.tag else ""
@@ -103,7 +105,8 @@ def main():
         print(f"host {tag}{name}: {us:.2f} us per call (2 x 256 tokens, 16 heads, D128, causal)", flush=True)
 
     layouts = ["contiguous", "seqused_k", "page 16", "page 256"]
-    print(f"\n{tag}bf16 8 x 4096, D*H = 2048, TFLOP/s, median of {reps}, cold L2 (rotating sets)\n")
+    print(f"\n{tag}bf16 8 x 4096, D*H = 2048, TFLOP/s, median of {reps}, cold L2 (rotating sets), median over "
+          f"{args.rounds} interleaved rounds\n")
     print("| D | causal | variant | " + " | ".join(layouts) + " | page 16 / contiguous | page 256 / contiguous | SDPA |")
     print("|---:|---|---|" + "---:|" * (len(layouts) + 3))
     for head_dim in args.head_dims:
@@ -125,8 +128,6 @@ def main():
                 "page 256": lambda s: jitattn.varlen_attn(s[0], s[4][256][0], s[4][256][1], cu_seq, None, seq, seq,
                                                           window_size=window, seqused_k=used, block_table=s[4][256][2]),
             }
-            sdpa = flops / time_us([lambda s=s: F.scaled_dot_product_attention(*s[3], is_causal=causal) for s in sets],
-                                   warmup=5, reps=reps) / 1e6
             for name in args.variants:
                 use_variant(name)
                 base = calls["contiguous"](sets[0])
@@ -134,10 +135,21 @@ def main():
                     err = ((calls[layout](sets[0]).float() - base.float()).norm() / base.float().norm()).item()
                     if not err < 1e-2:
                         print(f"MISMATCH {name} d{head_dim} causal={causal} {layout}: rel {err:.2e}", flush=True)
-                tf = [flops / time_us([lambda s=s, f=calls[lay]: f(s) for s in sets], warmup=5, reps=reps) / 1e6
-                      for lay in layouts]
-                print(f"| {head_dim} | {causal} | {tag}{name} | " + " | ".join(f"{x:.1f}" for x in tf) +
-                      f" | {tf[2] / tf[0]:.2f}x | {tf[3] / tf[0]:.2f}x | {sdpa:.1f} |", flush=True)
+
+            def timer(name, layout):
+                def run():
+                    use_variant(name)
+                    return time_us([lambda s=s, f=calls[layout]: f(s) for s in sets], warmup=5, reps=reps)
+                return run
+            # Every variant and layout, and SDPA, in interleaved rounds: the clocks drift over a job.
+            timers = {(name, lay): timer(name, lay) for name in args.variants for lay in layouts}
+            timers["SDPA"] = lambda: time_us([lambda s=s: F.scaled_dot_product_attention(*s[3], is_causal=causal)
+                                              for s in sets], warmup=5, reps=reps)
+            tf = {key: flops / median_spread(times)[0] / 1e6 for key, times in interleaved_us(timers, args.rounds).items()}
+            for name in args.variants:
+                row = [tf[name, lay] for lay in layouts]
+                print(f"| {head_dim} | {causal} | {tag}{name} | " + " | ".join(f"{x:.1f}" for x in row) +
+                      f" | {row[2] / row[0]:.2f}x | {row[3] / row[0]:.2f}x | {tf['SDPA']:.1f} |", flush=True)
         del sets
         torch.cuda.empty_cache()
     use_variant("default")
