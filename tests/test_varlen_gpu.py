@@ -173,7 +173,7 @@ def test_decode_tile_shapes_match_reference(tile, paged, monkeypatch):
     from jitattn.varlen.spec import VarlenSpec
 
     spec = VarlenSpec(128, "bfloat16", paged, True, *tile[:4], tma=tile[4])
-    monkeypatch.setitem(forward._kernels, (128, BF16, paged, True, False, False),
+    monkeypatch.setitem(forward._kernels, forward.kernel_key(128, BF16, paged, True, False, False),
                         (OpKernel(get_module(spec)), spec.block_m, spec.block_n))
     rng = random.Random(7 + tile[2])
     len_k = [rng.choice([1, 33, rng.randint(2, 600), rng.randint(600, 5000)]) for _ in range(12)] + [0, 9000]

@@ -313,7 +313,7 @@ def _with_decode_tile(tile, head_dim):
         for paged in (True, False):
             tma = bool(tile[4]) if len(tile) > 4 else forward._takes_tma(head_dim, paged, True, False)
             spec = VarlenSpec(head_dim, "bfloat16", paged, True, *tile[:4], tma=tma)
-            key = (head_dim, BF16, paged, True, False, False)  # forward._kernels: ..., decode, wgmma, soft cap
+            key = forward.kernel_key(head_dim, BF16, paged, True, False, False)
             saved[key] = forward._kernels.get(key)
             forward._kernels[key] = (OpKernel(get_module(spec)), spec.block_m, spec.block_n)
         try:

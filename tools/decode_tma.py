@@ -40,7 +40,7 @@ def main() -> int:
                         if tile != tiles[0] and not tma:
                             continue
                         spec = VarlenSpec(128, forward.check.DTYPE_NAMES[dtype], page > 0, True, *tile, tma=tma)
-                        key = (128, dtype, page > 0, True, False, False)
+                        key = forward.kernel_key(128, dtype, page > 0, True, False, False)
                         saved = forward._kernels.get(key)
                         forward._kernels[key] = (OpKernel(get_module(spec)), spec.block_m, spec.block_n)
                         what = f"{dtype} page {page} window {window} splits {splits} tile {tile} tma {tma}"

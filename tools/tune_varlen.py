@@ -51,7 +51,7 @@ def bench(fn, n=15):
 def use(spec):  # the kernel varlen_attn runs for this shape, whichever rung it would pick
     entry = (OpKernel(get_module(spec)), spec.block_m, spec.block_n)
     for wgmma in (False, True):
-        V._kernels[(spec.head_dim, torch.bfloat16, spec.paged, spec.decode, wgmma, spec.soft_cap)] = entry
+        V._kernels[V.kernel_key(spec.head_dim, torch.bfloat16, spec.paged, spec.decode, wgmma, spec.soft_cap)] = entry
 for d, ts in PREFILL.items():
     h=2048//d; B=8; L=4096
     cq = torch.arange(0, (B + 1) * L, L, dtype=torch.int32, device="cuda")

@@ -9,6 +9,7 @@ from jitattn.jit.loader import get_module
 from jitattn.kernel import OpKernel
 from jitattn.varlen.checks import check_varlen_args, check_varlen_values
 from jitattn.varlen.plan import MAX_SPLITS, MIN_SPLIT_TILES, auto_splits, is_hopper, tile_kind
+from jitattn.varlen import spec as spec_module
 from jitattn.varlen.spec import VarlenSpec
 
 LOG2E = 1.4426950408889634
@@ -16,8 +17,16 @@ LOG2E = 1.4426950408889634
 # Bound once, so tools that swap VarlenSpec for a maker (tools/fwd_schedule.py) keep it.
 _takes_tma = VarlenSpec.takes_tma
 
-# (head_dim, dtype, paged, decode, wgmma, soft cap) -> (loaded kernel, BLOCK_M, BLOCK_N): the per-call fast path
+# kernel_key(...) -> (loaded kernel, BLOCK_M, BLOCK_N): the per-call fast path
 _kernels: dict[tuple, tuple[OpKernel, int, int]] = {}
+
+
+def kernel_key(head_dim: int, dtype: torch.dtype, paged: bool, decode: bool, wgmma: bool, soft_cap: bool,
+               decode_hopper: bool = False) -> tuple:
+    """The key of _kernels (tools and tests that swap in a tile build it here). decode_hopper: a
+    decode call on sm_90 while DECODE_TMA is on, whose tile then copies by TMA, so a process that
+    drives another GPU as well keeps both kernels apart."""
+    return (head_dim, dtype, paged, decode, wgmma, soft_cap, decode_hopper)
 
 
 def forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa,
@@ -36,13 +45,14 @@ def forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, windo
     group = args.num_heads_q // args.num_heads_kv
     decode, wgmma = tile_kind(args.num_splits, max_q, group, args.head_dim, args.device)
     capped = args.softcap > 0
-    kernel_key = (args.head_dim, query.dtype, args.paged, decode, wgmma, capped)
-    entry = _kernels.get(kernel_key)
+    decode_hopper = decode and spec_module.DECODE_TMA and is_hopper(args.device)  # asked only when on
+    memo = kernel_key(args.head_dim, query.dtype, args.paged, decode, wgmma, capped, decode_hopper)
+    entry = _kernels.get(memo)
     if entry is None:
         spec = VarlenSpec(args.head_dim, check.DTYPE_NAMES[query.dtype], args.paged, decode, wgmma=wgmma,
                           soft_cap=capped, tma=_takes_tma(args.head_dim, args.paged, decode, wgmma,
-                                                          is_hopper(args.device)))
-        entry = _kernels[kernel_key] = (OpKernel(get_module(spec)), spec.block_m, spec.block_n)
+                                                          wgmma or decode_hopper))
+        entry = _kernels[memo] = (OpKernel(get_module(spec)), spec.block_m, spec.block_n)
     kernel, block_m, tile_n = entry
     m_blocks = -(-max_q * group // block_m)
     # Explicit splits: every row block takes that many. Automatic: the grid has room for
