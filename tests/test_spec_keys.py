@@ -565,6 +565,35 @@ def test_wgmma_schedules_are_spec_fields_that_round_trip(head_dim):
     assert variants[3].name.endswith("_pingpong_overlap")
 
 
+@pytest.mark.parametrize("head_dim, paged, tma", [(128, False, True), (128, True, True), (256, False, False), (64, False, True)])
+def test_split_kv_is_a_spec_field_that_round_trips(head_dim, paged, tma):
+    base = VarlenSpec(head_dim=head_dim, dtype="bfloat16", paged=paged, wgmma=True, tma=tma)
+    assert base.split_kv is False  # the old kernel
+    split = dataclasses.replace(base, split_kv=True)
+    target = keys.BuildTarget(("9.0",), "13.0.88", "gcc 12.2.0")
+    assert split.name == base.name + "_splitkv"
+    assert keys.key_of(keys.components(split, target)) != keys.key_of(keys.components(base, target))
+    assert spec_from_dict(split.to_dict()) == split and split.to_dict()["split_kv"] is True
+    kernels = render.render(split, "ns")["kernels.cu"]
+    assert not JINJA_LEFTOVER.search(kernels)
+    assert "constexpr bool SPLIT_KV = true;" in kernels and "full_v[STAGES], empty_v[STAGES]" in kernels
+    assert ("tma_kv_tile<2>" in kernels) == tma  # V onto its own barrier
+    plain = render.render(base, "ns")["kernels.cu"]
+    assert "constexpr bool SPLIT_KV = false;" in plain and "full_v[STAGES]" not in plain
+
+
+@pytest.mark.parametrize("fields", [dict(head_dim=64, wgmma=True), dict(head_dim=128), dict(head_dim=128, decode=True)])
+def test_split_kv_needs_the_producer_warpgroup(fields):
+    with pytest.raises(ValueError, match="producer warpgroup"):
+        VarlenSpec(**fields, split_kv=True)
+
+
+def test_split_kv_does_not_combine_with_the_deferred_gemm_schedules():
+    for schedule in (dict(pingpong=True), dict(overlap=True)):
+        with pytest.raises(ValueError, match="does not combine"):
+            VarlenSpec(head_dim=128, wgmma=True, split_kv=True, **schedule)
+
+
 @pytest.mark.parametrize("head_dim, paged", [(128, True), (256, False), (64, False)])
 def test_tma_is_a_spec_field_that_round_trips(head_dim, paged):
     base = VarlenSpec(head_dim=head_dim, dtype="bfloat16", paged=paged, wgmma=True)

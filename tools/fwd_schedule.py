@@ -29,7 +29,7 @@ def parse(variant: str) -> tuple[int | None, dict]:
     head_dim, _, fields = variant.rpartition(":")
     overrides = {"pingpong": False, "overlap": False} if fields != "default" else {}
     for item in fields.split(","):
-        if item in ("pingpong", "overlap"):
+        if item in ("pingpong", "overlap", "split_kv", "tma"):
             overrides[item] = True
         elif "=" in item:
             name, value = item.split("=")

@@ -59,6 +59,7 @@ class VarlenSpec(KernelSpec):
     pingpong: bool = False  # wgmma with the producer: the warpgroups take turns on the GEMMs
     overlap: bool = False   # wgmma with the producer: softmax of S_j under O += P_{j-1} V_{j-1}
     tma: bool = False       # K/V tiles by TMA: wgmma with the producer, or decode tiles (calls take `takes_tma`)
+    split_kv: bool = False  # wgmma with the producer: K and V on their own mbarriers (K freed after S)
 
     def __post_init__(self):
         if self.wgmma and not self.wgmma_fits(self.head_dim, self.decode):
@@ -77,7 +78,10 @@ class VarlenSpec(KernelSpec):
         if self.tma and self.decode and (16 * self.block_n % self.head_dim or step not in (1, 2, 4, 8)):
             raise ValueError(f"varlen decode tiles with tma=True copy rows 16 * block_n / head_dim apart per thread, "
                              f"which must divide 8 (got block_n={self.block_n}, head_dim={self.head_dim})")
-        for name in ("pingpong", "overlap") + (() if self.decode else ("tma",)):
+        if self.split_kv and (self.pingpong or self.overlap):
+            raise ValueError("varlen split_kv=True hands K and V back at fixed points of the plain GEMM order; "
+                             "it does not combine with pingpong / overlap")
+        for name in ("pingpong", "overlap", "split_kv") + (() if self.decode else ("tma",)):
             if getattr(self, name) and not self.has_producer:
                 raise ValueError(f"varlen {name}=True schedules the wgmma rung's producer warpgroup, which head_dim "
                                  f">= 128 has, and head_dim 64 with tma=True (got head_dim={self.head_dim}, "
@@ -195,6 +199,7 @@ class VarlenSpec(KernelSpec):
     def name(self) -> str:
         tile = f"m{self.warps_m}x{self.m_tiles}n{self.block_n}s{self.stages}"
         tile += ("_pingpong" if self.pingpong else "") + ("_overlap" if self.overlap else "") + ("_tma" if self.tma else "")
+        tile += "_splitkv" if self.split_kv else ""
         return (f"varlen_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{'_paged' if self.paged else ''}"
                 f"_{'decode' if self.decode else 'prefill'}{'_wgmma' if self.wgmma else ''}"
                 f"{'_cap' if self.soft_cap else ''}_{tile}")
