@@ -480,7 +480,7 @@ def test_decode_flags_cover_pos_encoding_fp8_soft_cap_and_tensor_cores(capsys, n
 def test_varlen_switches_pick_paging_tile_and_rung(capsys, no_builds):
     got, _ = dry_run(capsys, "prewarm", "--family", "varlen", "--head-dim", "256", "--paged", "on", "--decode", "off",
                      "--wgmma", "both", "--arch", "9.0")
-    assert [registry.spec_from_dict(d) for d in got] == [VarlenSpec(256, "float16", True, False, wgmma=w, tma=w)
+    assert [registry.spec_from_dict(d) for d in got] == [VarlenSpec(256, "float16", True, False, wgmma=w, tma=w, split_kv=w)
                                                          for w in (False, True)]
     got, out = dry_run(capsys, "prewarm", "--family", "varlen", "--head-dim", "128", "--decode", "off", "--paged",
                        "off", "--arch", "8.0;9.0")  # an A100 too: the mma.sync prefill rung for it

@@ -582,6 +582,20 @@ def test_split_kv_is_a_spec_field_that_round_trips(head_dim, paged, tma):
     assert "constexpr bool SPLIT_KV = false;" in plain and "full_v[STAGES]" not in plain
 
 
+def test_calls_take_split_kv_at_d256_by_tma_with_its_two_stage_tile():
+    assert VarlenSpec.takes_split_kv(256, True, True)
+    assert not any(VarlenSpec.takes_split_kv(d, True, True) for d in (64, 128, 192))
+    assert not VarlenSpec.takes_split_kv(256, False, False) and not VarlenSpec.takes_split_kv(256, True, False)
+    split = VarlenSpec(256, "bfloat16", wgmma=True, tma=True, split_kv=True)
+    plain = VarlenSpec(256, "bfloat16", wgmma=True, tma=True)
+    assert (split.block_n, split.stages) == (80, 2) and (plain.block_n, plain.stages) == (48, 3)
+    # prewarm lists what a call runs: split_kv where takes_split_kv says, unless the manifest names it
+    variants = VarlenSpec.prewarm_variants({"head_dim": 256, "paged": False, "decode": False}, ("9.0",))
+    assert [v.get("split_kv", False) for v in variants] == [True]
+    named = VarlenSpec.prewarm_variants({"head_dim": 256, "paged": False, "decode": False, "split_kv": False}, ("9.0",))
+    assert [v["split_kv"] for v in named] == [False]
+
+
 @pytest.mark.parametrize("fields", [dict(head_dim=64, wgmma=True), dict(head_dim=128), dict(head_dim=128, decode=True)])
 def test_split_kv_needs_the_producer_warpgroup(fields):
     with pytest.raises(ValueError, match="producer warpgroup"):
@@ -612,9 +626,10 @@ def test_tma_is_a_spec_field_that_round_trips(head_dim, paged):
     assert not JINJA_LEFTOVER.search(kernels)
     assert "constexpr bool TMA = true;" in kernels and "cp.async.bulk.tensor.5d" in kernels
     assert "CUtensorMap" not in render.render(base, "ns")["kernels.cu"]
-    # Calls take it where it measured better: paged producer shapes, packed keys at D64 / D128 (and the
-    # paged D128 decode tile on sm_90 if DECODE_TMA: off, no gain measured).
-    assert VarlenSpec.takes_tma(head_dim, paged, False, True) is (paged or head_dim in (64, 128))
+    # Calls take it where it measured better: paged producer shapes, packed keys at D64 / D128 and D256
+    # (with split_kv), and the paged D128 decode tile on sm_90 if DECODE_TMA (off, no gain measured).
+    assert VarlenSpec.takes_tma(head_dim, paged, False, True) is (paged or head_dim in (64, 128, 256))
+    assert not VarlenSpec.takes_tma(192, False, False, True)  # not measured there
     assert VarlenSpec.takes_tma(64, True, False, True)  # paged D64: the packed kernel's tile (same bits)
     assert VarlenSpec.takes_tma(head_dim, True, True, False) is (head_dim == 128 and varlen_spec.DECODE_TMA)
     assert not VarlenSpec.takes_tma(128, True, True, False, hopper=False) and not VarlenSpec.takes_tma(128, False, True, False)

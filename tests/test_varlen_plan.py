@@ -202,8 +202,9 @@ def test_hopper_prefill_takes_the_wgmma_rung(launches, monkeypatch):
     for d in (64, 128, 256):
         spec, run = launch(launches, **batch([4096] * 2, [4096] * 2, h_q=16, h_kv=16, d=d), window_size=(-1, 0))
         assert spec == VarlenSpec(d, "bfloat16", paged=False, decode=False, wgmma=True,
-                                  tma=VarlenSpec.takes_tma(d, False, False, True))
-        assert spec.tma == (d in (64, 128))  # packed keys by TMA where it measured faster
+                                  tma=VarlenSpec.takes_tma(d, False, False, True), split_kv=d == 256)
+        assert spec.tma  # packed keys by TMA where it measured faster: D64 / D128, D256 with split_kv
+        assert (spec.block_n, spec.stages) == {64: (128, 4), 128: (128, 3), 256: (80, 2)}[d]
         assert run["m_blocks"] == 4096 // spec.block_m and spec.archs_for(("9.0",)) == ("9.0a",)
 
 

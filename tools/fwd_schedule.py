@@ -27,7 +27,9 @@ def parse(variant: str) -> tuple[int | None, dict]:
     """"pingpong,overlap" / "none" / "default", optionally "d128:" first and tile fields
     ("d128:block_n=96,stages=4,pingpong"): (head_dim it is for or None, VarlenSpec overrides)."""
     head_dim, _, fields = variant.rpartition(":")
-    overrides = {"pingpong": False, "overlap": False} if fields != "default" else {}
+    # Not "default": the plain schedule with one barrier a stage unless named, on the default tile
+    # of the spec a call makes (so "none" at D256 is its 80 x 2 tile without split_kv).
+    overrides = {"pingpong": False, "overlap": False, "split_kv": False} if fields != "default" else {}
     for item in fields.split(","):
         if item in ("pingpong", "overlap", "split_kv", "tma"):
             overrides[item] = True

@@ -16,6 +16,7 @@ LOG2E = 1.4426950408889634
 
 # Bound once, so tools that swap VarlenSpec for a maker (tools/fwd_schedule.py) keep it.
 _takes_tma = VarlenSpec.takes_tma
+_takes_split_kv = VarlenSpec.takes_split_kv
 
 # kernel_key(...) -> (loaded kernel, BLOCK_M, BLOCK_N): the per-call fast path
 _kernels: dict[tuple, tuple[OpKernel, int, int]] = {}
@@ -49,9 +50,9 @@ def forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, windo
     memo = kernel_key(args.head_dim, query.dtype, args.paged, decode, wgmma, capped, decode_hopper)
     entry = _kernels.get(memo)
     if entry is None:
+        tma = _takes_tma(args.head_dim, args.paged, decode, wgmma, wgmma or decode_hopper)
         spec = VarlenSpec(args.head_dim, check.DTYPE_NAMES[query.dtype], args.paged, decode, wgmma=wgmma,
-                          soft_cap=capped, tma=_takes_tma(args.head_dim, args.paged, decode, wgmma,
-                                                          wgmma or decode_hopper))
+                          soft_cap=capped, tma=tma, split_kv=_takes_split_kv(args.head_dim, wgmma, tma))
         entry = _kernels[memo] = (OpKernel(get_module(spec)), spec.block_m, spec.block_n)
     kernel, block_m, tile_n = entry
     m_blocks = -(-max_q * group // block_m)

@@ -59,13 +59,13 @@ class VarlenSpec(KernelSpec):
     pingpong: bool = False  # wgmma with the producer: the warpgroups take turns on the GEMMs
     overlap: bool = False   # wgmma with the producer: softmax of S_j under O += P_{j-1} V_{j-1}
     tma: bool = False       # K/V tiles by TMA: wgmma with the producer, or decode tiles (calls take `takes_tma`)
-    split_kv: bool = False  # wgmma with the producer: K and V on their own mbarriers (K freed after S)
+    split_kv: bool = False  # wgmma with the producer: K and V on their own mbarriers (calls take `takes_split_kv`)
 
     def __post_init__(self):
         if self.wgmma and not self.wgmma_fits(self.head_dim, self.decode):
             raise ValueError(f"wgmma varlen kernels are prefill-only with head_dim a multiple of 64 "
                              f"(got head_dim={self.head_dim}, decode={self.decode})")
-        tile = self.default_tile(self.head_dim, self.decode, self.wgmma, self.tma)
+        tile = self.default_tile(self.head_dim, self.decode, self.wgmma, self.tma, self.split_kv)
         for name, value in zip(("warps_m", "m_tiles", "block_n", "stages"), tile):
             if getattr(self, name) == 0:
                 object.__setattr__(self, name, value)
@@ -106,11 +106,18 @@ class VarlenSpec(KernelSpec):
                 for w in rungs:
                     variant = {**fields, "paged": paged, "decode": decode, "wgmma": w}
                     if "tma" not in fields and cls.takes_tma(fields.get("head_dim", 0), paged, decode, w, hopper):
-                        variants.append({**variant, "tma": True})
+                        variants.append(cls._with_split_kv({**variant, "tma": True}))
                         if w or not other:  # a decode tile on another GPU copies by cp.async
                             continue
-                    variants.append(variant)
+                    variants.append(cls._with_split_kv(variant))
         return variants
+
+    @classmethod
+    def _with_split_kv(cls, fields: dict) -> dict:
+        """`fields` with the split_kv a call of that shape takes, unless named."""
+        if "split_kv" in fields or not cls.takes_split_kv(fields.get("head_dim", 0), fields["wgmma"], fields.get("tma", False)):
+            return fields
+        return {**fields, "split_kv": True}
 
     @staticmethod
     def takes_tma(head_dim: int, paged: bool, decode: bool, wgmma: bool, hopper: bool = True) -> bool:
@@ -122,7 +129,8 @@ class VarlenSpec(KernelSpec):
         contiguous (bench_varlen.py --parts paged-prefill), page 256 to 580 / 505, D256 from
         298 / 277 to 508 / 487 (tools/fwd_tma.py). Packed keys with TMA measured 634 / 548 against
         573 / 531 at D128 (+11% / +3%) and 563 / 520 against 571 / 524 at D256 (-1%) in the same
-        job, so packed D128 takes it too. At D64, TMA brings a producer warpgroup (one CTA per SM
+        job, so packed D128 takes it too; packed D256 takes it with split_kv, which needs it to
+        gain (takes_split_kv). At D64, TMA brings a producer warpgroup (one CTA per SM
         instead of the lockstep loop's two): packed keys +3-5% (see default_tile). Paged D64 takes
         the same kernel (its pages under 16 rows by the producer's cp.async), so paged and packed
         keys keep giving the same bits (one tile shape, one reduction order)."""
@@ -130,7 +138,20 @@ class VarlenSpec(KernelSpec):
             return DECODE_TMA and hopper and paged and head_dim == 128
         if not wgmma or head_dim < 64:
             return False
-        return paged or head_dim <= 128
+        return paged or head_dim <= 128 or head_dim == 256
+
+    @staticmethod
+    def takes_split_kv(head_dim: int, wgmma: bool, tma: bool) -> bool:
+        """Whether a call's kernel takes `split_kv` (and with it its tile): the D256 wgmma kernels by TMA,
+        whose two pipelines let a stage's K come free a tile before its V, so 2 stages of 80 keys
+        keep the copies ahead (FlashAttention-3's hdim256 tile). On the H200 (bf16 8 x 4k, 8
+        heads, full / causal TFLOP/s, tools/fwd_schedule.py, interleaved rounds, same job): 606 /
+        537 against 550 / 470 for the 48 x 3 cp.async kernel (535 / 475 by TMA, 510 / 465 for
+        80 x 2 without split_kv; 64 x 2 with it 565 / 526); a second job 583 / 529 against 544 /
+        483. D128 (128 x 3: 559 / 489 against 609 / 552; 128 x 2 and 160 x 2 also slower) and D64
+        (128 x 4: 418 / 354 against 432 / 363) lose, so they keep one barrier a stage
+        (notes/forward-h200.md)."""
+        return wgmma and tma and head_dim == 256
 
     @staticmethod
     def wgmma_fits(head_dim: int, decode: bool) -> bool:
@@ -143,7 +164,8 @@ class VarlenSpec(KernelSpec):
         return _wgmma_archs(self.name, archs) if self.wgmma or self.tma else super().archs_for(archs)
 
     @staticmethod
-    def default_tile(head_dim: int, decode: bool, wgmma: bool = False, tma: bool = False) -> tuple[int, int, int, int]:
+    def default_tile(head_dim: int, decode: bool, wgmma: bool = False, tma: bool = False,
+                     split_kv: bool = False) -> tuple[int, int, int, int]:
         """(warps_m, m_tiles, block_n, stages), from the tools/tune_varlen.py sweep on the H200:
         prefill bf16 8x4k, head_dim 64/128 best at 4 warps x 32 rows x 64 keys (D128: 32-key
         tiles within 3%, 8 warps x 16 rows 5-10% slower), 256 at 8 warps x 16 rows x 64 keys
@@ -159,10 +181,13 @@ class VarlenSpec(KernelSpec):
         128 keys x 4 stages, 428-434 / 350-359 TFLOP/s full / causal against the lockstep loop's
         410-414 / 344 in the same job; 64 keys x 3-4: 364-375 / 315-327; 128 x 3: 411-415 /
         346-348; three compute warpgroups (192 rows, 160 registers) x 128 keys x 3: 442 / 339-344
-        (2 stages: 288 / 251) (notes/forward-h200.md)."""
+        (2 stages: 288 / 251) (notes/forward-h200.md). D256 with split_kv: 80 keys x 2 stages
+        (see takes_split_kv), the most 2 stages fit beside Q's 64 KB."""
         if wgmma:
             if head_dim == 64 and tma:
                 return (8, 1, 128, 4)
+            if head_dim == 256 and split_kv:
+                return (8, 1, 80, 2)
             return {64: (8, 1, 64, 3), 128: (8, 1, 128, 3)}.get(head_dim, (8, 1, 48, 3))
         if decode:
             return (1, 1, 32, 3) if head_dim == 128 else (1, 1, 64, 3 if head_dim < 128 else 2)
