@@ -214,3 +214,30 @@ def test_wgmma_rung_only_where_it_applies(launches, monkeypatch):
     assert not launch(launches, **batch([1] * 64, [4096] * 64))[0].wgmma  # decode shape
     monkeypatch.setenv("JITATTN_WGMMA", "0")
     assert launch(launches, **batch([300], [300]))[0] == VarlenSpec(128, "bfloat16", paged=False, decode=False)
+
+
+def _listed_call_specs(manifest: str) -> set:
+    from pathlib import Path
+
+    from jitattn.jit.manifest import read_manifest
+    cache_dir = Path(__file__).resolve().parent.parent / "cache"
+    return {s for s in read_manifest(cache_dir / manifest) if isinstance(s, VarlenSpec)}
+
+
+@pytest.mark.parametrize("manifest, head_dims, capped", [
+    ("default.toml", (128,), (False,)),
+    ("gpu-tests.toml", (64, 128, 256), (False, True)),
+    ("gpu-dropin.toml", (64, 128, 256), (False,)),
+])
+def test_manifests_list_the_prefill_kernels_hopper_calls_run(manifest, head_dims, capped):
+    """A manifest that lists a spec no call runs (a stale tile, copy or barrier choice) leaves
+    production's JIT-disabled calls without a kernel: each lists call_spec's for its shapes."""
+    listed = _listed_call_specs(manifest)
+    paged_modes = (False,) if manifest == "default.toml" else (False, True)
+    for d in head_dims:
+        for dtype in ("float16", "bfloat16"):
+            for paged in paged_modes:
+                for cap in capped:
+                    spec = varlen.call_spec(d, dtype, paged, False, True, cap)
+                    assert spec in listed, (manifest, spec.name)
+                    assert spec.split_kv == (d == 256) and spec.tma

@@ -22,6 +22,15 @@ _takes_split_kv = VarlenSpec.takes_split_kv
 _kernels: dict[tuple, tuple[OpKernel, int, int]] = {}
 
 
+def call_spec(head_dim: int, dtype: str, paged: bool, decode: bool, wgmma: bool, soft_cap: bool,
+              decode_hopper: bool = False) -> VarlenSpec:
+    """The specialization a call of that shape runs: its tile, and the copies and barriers that
+    measured faster there (VarlenSpec.takes_tma, takes_split_kv). The manifests list these."""
+    tma = _takes_tma(head_dim, paged, decode, wgmma, wgmma or decode_hopper)
+    return VarlenSpec(head_dim, dtype, paged, decode, wgmma=wgmma, soft_cap=soft_cap, tma=tma,
+                      split_kv=_takes_split_kv(head_dim, wgmma, tma))
+
+
 def kernel_key(head_dim: int, dtype: torch.dtype, paged: bool, decode: bool, wgmma: bool, soft_cap: bool,
                decode_hopper: bool = False) -> tuple:
     """The key of _kernels (tools and tests that swap in a tile build it here). decode_hopper: a
@@ -50,9 +59,8 @@ def forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, windo
     memo = kernel_key(args.head_dim, query.dtype, args.paged, decode, wgmma, capped, decode_hopper)
     entry = _kernels.get(memo)
     if entry is None:
-        tma = _takes_tma(args.head_dim, args.paged, decode, wgmma, wgmma or decode_hopper)
-        spec = VarlenSpec(args.head_dim, check.DTYPE_NAMES[query.dtype], args.paged, decode, wgmma=wgmma,
-                          soft_cap=capped, tma=tma, split_kv=_takes_split_kv(args.head_dim, wgmma, tma))
+        spec = call_spec(args.head_dim, check.DTYPE_NAMES[query.dtype], args.paged, decode, wgmma, capped,
+                         decode_hopper)
         entry = _kernels[memo] = (OpKernel(get_module(spec)), spec.block_m, spec.block_n)
     kernel, block_m, tile_n = entry
     m_blocks = -(-max_q * group // block_m)
