@@ -346,12 +346,15 @@ class VarlenBackwardSpec(KernelSpec):
         kv = self.block_n * row_chunks
         qt = self.block_m * row_chunks
         ds = self.block_n * self.block_m // 8
-        if self.wgmma:  # dS^T stages (2 with the producer), each with P^T beside it at warps_q=2
-            p_tile = (2 if self.producer else 1) * self.warps_q
+        if self.wgmma:  # dS^T stages (2 with the producer at warps_q=1), with P^T beside it at warps_q=2
+            p_tile = (2 if self.producer and self.warps_q == 1 else 1) * self.warps_q
         else:
             p_tile = 2 if self.warps_q == 2 else 1
-        # two dQ hand-off buffers (the producer's bulk add; at warps_q=2 the compute warps add)
+        # two dQ hand-off buffers (the producer's bulk add); at warps_q=2 the compute warps add,
+        # through a scratch of 8 rows x head_dim / 4 floats a warp (DQ_SCRATCH)
         dq = 2 * self.block_m * self.head_dim * 4 if self.producer and self.warps_q == 1 else 0
+        if self.wgmma and self.warps_q == 2:
+            dq = self.warps * 8 * self.head_dim // 4 * 4
         return (2 * kv + 4 * qt + p_tile * ds) * 16 + 4 * self.block_m * 4 + dq + (1024 if self.wgmma else 0)
 
     @property

@@ -57,16 +57,24 @@ constexpr int KV_CHUNKS = BLOCK_N * ROW_CHUNKS;
 constexpr int QT_CHUNKS = BLOCK_M * ROW_CHUNKS;
 constexpr int DS_TILE = BLOCK_N * DS_CHUNKS;
 constexpr int STAGES = 2;                      // query tiles in flight (Q, dO, lse2, delta)
-constexpr int DS_STAGES = PRODUCER ? 2 : 1;
+// DKV_SPLIT: one stage, so its 16 KB hold DQ_SCRATCH (each warpgroup then waits, before writing
+// a tile's P^T / dS^T, for the other to finish reading the last tile's: barriers 4 and 5).
+constexpr int DS_STAGES = PRODUCER && !DKV_SPLIT ? 2 : 1;
 constexpr int DS_TILES = DKV_SPLIT ? 2 : 1;    // a stage's dS^T, and with DKV_SPLIT P^T after it
 // dQ hand-off buffers of the bulk add; 0: the compute warpgroups add dQ from registers (vector
 // atomics; DKV_SPLIT: 64 KB a buffer does not fit beside two Q / dO stages, nor does
 // FlashAttention-3's at hdim256).
 constexpr int DQ_STAGES = PRODUCER && !DKV_SPLIT ? 2 : 0;
 constexpr int DQ_TILE = BLOCK_M * HEAD_DIM;    // floats of one dQ hand-off buffer
+// DKV_SPLIT: each warp's 8 rows x DQ_SN columns of dQ, where its fragments are turned into rows
+// so that each vector atomic instruction adds 4 whole 128-byte lines instead of 16 rows' 32
+// bytes. The L2's fp32 reductions bound this kernel (64 KB of dQ a step): in isolation on the
+// H200 (132 CTAs, 64 x 256 tiles into 512 MB) 4 lines an instruction add 1.33 TB/s against
+// 0.98 for the fragments' 16 rows (bulk reduce-add from shared memory: 1.46).
+constexpr int DQ_SCRATCH = DKV_SPLIT ? CONSUMERS / 32 * 8 * DQ_SN : 0;  // floats
 // wgmma's atoms must be 1024-aligned: room to align the dynamic shared memory base.
 constexpr int SMEM_BYTES = (2 * KV_CHUNKS + 2 * STAGES * QT_CHUNKS + DS_STAGES * DS_TILES * DS_TILE) * 16 +
-                           STAGES * 2 * BLOCK_M * 4 + DQ_STAGES * DQ_TILE * 4 + 1024;
+                           STAGES * 2 * BLOCK_M * 4 + DQ_STAGES * DQ_TILE * 4 + DQ_SCRATCH * 4 + 1024;
 static_assert(BLOCK_N == (DKV_SPLIT ? 64 : 128) && BLOCK_M == 64,
               "wgmma rung: 2 warpgroups x 64 keys (DKV_SPLIT: both on 64), 64 queries a step");
 static_assert(HEAD_DIM % 64 == 0 && (DKV_SPLIT ? HEAD_DIM == 256 : HEAD_DIM <= 128),
@@ -143,6 +151,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   uint4* ds_smem = do_smem + STAGES * QT_CHUNKS;  // dS^T (, P^T) [DS_STAGES][DS_TILES][BLOCK_N keys][BLOCK_M queries]
   float* dq_smem = reinterpret_cast<float*>(ds_smem + DS_STAGES * DS_TILES * DS_TILE);  // [DQ_STAGES][DQ_TILE]
   float* stats = dq_smem + DQ_STAGES * DQ_TILE;   // [STAGES][lse2, delta][BLOCK_M]
+  float* dq_scratch = stats + STAGES * 2 * BLOCK_M;  // DKV_SPLIT: [warp][8 rows][DQ_SN]
 
   Work w;
   if (!decode_work(p, w)) return;
@@ -287,8 +296,8 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
       cp_async_commit();
     }
     const int qs = stage * QT_CHUNKS;
-    // dS^T buffer of this tile: with PRODUCER two alternate, so writing tile i's only needs
-    // tile i - 2's dQ done, which both warpgroups finished before meeting for tile i - 1.
+    // dS^T buffer of this tile: with PRODUCER (not DKV_SPLIT) two alternate, so writing tile i's
+    // only needs tile i - 2's dQ done, which both warpgroups finished before meeting for tile i - 1.
     const int ds_stage = i % DS_STAGES;
     uint32_t* ds32 = reinterpret_cast<uint32_t*>(ds_smem + ds_stage * DS_TILES * DS_TILE);
     uint32_t* pt32 = ds32 + DS_TILE * 4;  // DKV_SPLIT: P^T
@@ -328,7 +337,11 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     if (tile.masked) mask_hidden(p, w, m, key0, q0, g, c, s4, dp4);
 
     // dS^T (DKV_SPLIT: and P^T; this warpgroup's queries) -> shared memory (T), for dQ (dV,
-    // dK); else P^T and dS^T as A fragments.
+    // dK); else P^T and dS^T as A fragments. DKV_SPLIT with PRODUCER: one stage, which the
+    // other warpgroup's MMAs of tile i - 1 read until it arrived at barrier 4 + its index.
+    if constexpr (DKV_SPLIT && PRODUCER) {
+      if (i > 0) named_barrier(4 + (wg ^ 1), CONSUMERS);
+    }
 #pragma unroll
     for (int nt = 0; nt < Q_TILES; ++nt) {
       ds32[DsRows::at(key0 + g, q0 / 8 + nt) * 4 + c] = pack2<T>(dp4[nt][0], dp4[nt][1]);
@@ -372,13 +385,42 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     };
     // The compute warps' own vector atomics of dQ columns col0 + [0, DQ_SN).
     auto dq_atomics = [&](int col0) {
-      const int row = (warp % 4) * 16 + g;  // this thread's dQ rows: row, row + 8
-      float* row_g = dq_row(p, w, m * BLOCK_M + row);
-      float* row_g8 = dq_row(p, w, m * BLOCK_M + row + 8);
+      if constexpr (DKV_SPLIT) {
+        // Rows g (half 0), then g + 8 (half 1) of this warp's 16 through its scratch: float4 f
+        // of scratch row r at f ^ r (conflict-free writes of the fragments and reads of rows),
+        // read back as 4 rows x 8 float4 an instruction: 4 whole lines per atomic.
+        float* scratch = dq_scratch + warp * 8 * DQ_SN;
 #pragma unroll
-      for (int j = 0; j < DQ_SN / 8; ++j) {
-        const int col = col0 + j * 8;
-        add_dq(row_g ? row_g + col : nullptr, row_g8 ? row_g8 + col : nullptr, dq4[j], c);
+        for (int half = 0; half < 2; ++half) {
+#pragma unroll
+          for (int j = 0; j < DQ_SN / 8; ++j) {
+            const int f = 2 * j + c / 2;
+            *reinterpret_cast<float2*>(scratch + g * DQ_SN + (f ^ g) * 4 + (c & 1) * 2) =
+                make_float2(dq4[j][2 * half], dq4[j][2 * half + 1]);
+          }
+          __syncwarp();
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const int r = lane / 8 + 4 * k;
+            float* row_g = dq_row(p, w, m * BLOCK_M + (warp % 4) * 16 + 8 * half + r);
+#pragma unroll
+            for (int h = 0; h < DQ_SN / 32; ++h) {
+              const int f = lane % 8 + 8 * h;
+              const float4 v = *reinterpret_cast<const float4*>(scratch + r * DQ_SN + (f ^ r) * 4);
+              if (row_g) atomicAdd(reinterpret_cast<float4*>(row_g + col0 + f * 4), v);
+            }
+          }
+          __syncwarp();  // the reads, before the next half's writes
+        }
+      } else {
+        const int row = (warp % 4) * 16 + g;  // this thread's dQ rows: row, row + 8
+        float* row_g = dq_row(p, w, m * BLOCK_M + row);
+        float* row_g8 = dq_row(p, w, m * BLOCK_M + row + 8);
+#pragma unroll
+        for (int j = 0; j < DQ_SN / 8; ++j) {
+          const int col = col0 + j * 8;
+          add_dq(row_g ? row_g + col : nullptr, row_g8 ? row_g8 + col : nullptr, dq4[j], c);
+        }
       }
     };
     wgmma_pin(dk);
@@ -442,6 +484,9 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     wgmma_pin(dv);
     if constexpr (PRODUCER) {
       if (lane == 0) mbarrier_arrive(&empty[stage]);  // this warp is done with the stage
+      if constexpr (DKV_SPLIT) {  // done reading this tile's P^T / dS^T: the other may overwrite them
+        if (i + 1 < tiles) named_barrier_arrive(4 + wg, CONSUMERS);
+      }
     }
   }
   allow_dependent_launch();
