@@ -14,7 +14,7 @@ TEST_VARIANTS=${TEST_VARIANTS:-"default 0"} TEST_TIMEOUT=${TEST_TIMEOUT:-120} BE
 status=$?
 if [ "${NCU:-0}" = 1 ]; then
   export PYTHONPATH=$PWD JITATTN_CACHE_SEED_DIRS=/tmp/jitattn-seed JITATTN_CACHE_DIR=$(mktemp -d /tmp/jitattn-ncu-XXXX)
-  timeout 120 /usr/local/cuda/bin/ncu --clock-control none -k regex:varlen_bwdENS -s 2 -c 1 --section SpeedOfLight \
+  timeout 120 /usr/local/cuda/bin/ncu --clock-control none -k regex:^varlen_bwd$ -s 2 -c 1 --section SpeedOfLight \
     --section WarpStateStats --section MemoryWorkloadAnalysis --print-details all \
     python3 tools/bench_varlen.py --quick --parts backward --bwd-dims 256 --bwd-variants > "$OUT/ncu.log" 2>&1
   echo "== ncu (exit $?)"; grep -E "Duration|Throughput|Warp Cycles|Stall|Issued|Eligible" "$OUT/ncu.log" | head -40
