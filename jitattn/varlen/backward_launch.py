@@ -26,8 +26,8 @@ WINDOW_CLAMP = 1 << 30  # a window wider than any sequence: the kernels' 32-bit 
 # Head dims whose wgmma backward has the producer warpgroup (VarlenBackwardSpec.producer): TMA
 # copies of Q / dO and (D64 / D128) a bulk reduce-add of dQ. Measured on the H200 (bf16 8 x 4k,
 # full / causal TFLOP/s): D64 388 / 332 against 209 / 190 without, D128 431 / 370 against 262 / 236
-# (notes/backward-h200.md); D256 (Q / dO by TMA, dQ by the compute warps' atomics) 183 / 176,
-# against 114 / 114 on the mma.sync rung (notes/backward-d256.md).
+# (notes/backward-h200.md); D256 (Q / dO by TMA, dQ by the compute warps' atomics, whole 128-byte
+# lines an instruction) 259 / 240, against 114 / 114 on the mma.sync rung (notes/backward-d256.md).
 PRODUCER_HEAD_DIMS: frozenset[int] = frozenset({64, 128, 256})
 
 _kernels: dict[tuple, tuple[object, VarlenBackwardSpec]] = {}  # (head_dim, dtype, wgmma, cap) -> (run op, spec)

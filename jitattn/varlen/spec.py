@@ -324,8 +324,8 @@ class VarlenBackwardSpec(KernelSpec):
         D128 261 / 236; with the producer D64 388 / 332, D128 431 / 370 (128 queries a step at D64,
         FlashAttention-3's hdim64 tile, measured 372 / 316 against 391 / 323: notes/backward-h200.md).
         wgmma at D256: 64 keys x 64 queries, warps_q=2 (the warpgroups split dK / dV along
-        head_dim: 128 keys would need 256 accumulator registers a thread), with the producer 183 /
-        176 against 114 / 114 on mma.sync (notes/backward-d256.md)."""
+        head_dim: 128 keys would need 256 accumulator registers a thread), with the producer 259 /
+        240 against 114 / 114 on mma.sync (notes/backward-d256.md; bound by the L2's dQ reductions)."""
         if wgmma:  # head_dim 256: 64 keys, the two warpgroups split dK / dV along head_dim (warps_q=2)
             return (128, 64, 1) if head_dim <= 128 else (64, 64, 2)
         return (128, 64, 1) if head_dim <= 128 else (64, 64, 2)
