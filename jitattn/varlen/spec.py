@@ -20,7 +20,8 @@ def _wgmma_archs(name: str, archs: tuple[str, ...]) -> tuple[str, ...]:
 
 # Whether calls' paged D128 decode tiles copy K/V by TMA on sm_90 (VarlenSpec.takes_tma). Off:
 # on the H200 (bf16 64 x 4k keys, 32/8 heads, page 16, notes/paged-h200.md) the 32 x 3 tile ran
-# 265.8 us by TMA against 264.3 by cp.async (packed keys 260.0 against 245.1). Specs with
+# 265.8 us by TMA against 264.3 by cp.async (packed keys 260.0 against 245.1); the cp.async tile's
+# page slots since took it to 243 us (notes/paged-decode-h200.md), TMA was not re-measured. Specs with
 # tma=True on decode shapes still build and run (tools/bench_varlen.py --decode-tiles N,M,K,S,1).
 DECODE_TMA = False
 
