@@ -5,7 +5,7 @@ random permutation of the pool), default decode tile. Each variant is a template
 (name=DIR; `tree` = this checkout's): its paged, packed and packed + seqused_k calls are timed
 in every round beside SDPA on the dense keys (enable_gqa), so the H200's clock drift within a
 job (5-10%) hits every row alike (bench_util.interleaved_us). Before timing, each variant's paged
-output must equal its packed output bit for bit and stay within 0.1 of SDPA.
+output is checked against its packed output (bit for bit) and SDPA (0.1): a mismatch fails the run.
 
   PYTHONPATH=. python3 tools/decode_paged_ab.py [--variant base=/path/templates ...] [--rounds 7]
   PYTHONPATH=. python3 tools/decode_paged_ab.py --prewarm   # build every variant's kernels (no GPU)
