@@ -565,17 +565,23 @@ def test_wgmma_schedules_are_spec_fields_that_round_trip(head_dim):
     assert variants[3].name.endswith("_pingpong_overlap")
 
 
+def _a_new_kernel_of_its_own(base, flagged, field: str, suffix: str) -> str:
+    """A spec field turned on names, keys and round-trips its own kernel; its rendered source."""
+    target = keys.BuildTarget(("9.0",), "13.0.88", "gcc 12.2.0")
+    assert flagged.name == base.name + suffix
+    assert keys.key_of(keys.components(flagged, target)) != keys.key_of(keys.components(base, target))
+    assert spec_from_dict(flagged.to_dict()) == flagged and flagged.to_dict()[field] is True
+    kernels = render.render(flagged, "ns")["kernels.cu"]
+    assert not JINJA_LEFTOVER.search(kernels)
+    return kernels
+
+
 @pytest.mark.parametrize("head_dim, paged, tma", [(128, False, True), (128, True, True), (256, False, False), (64, False, True)])
 def test_split_kv_is_a_spec_field_that_round_trips(head_dim, paged, tma):
     base = VarlenSpec(head_dim=head_dim, dtype="bfloat16", paged=paged, wgmma=True, tma=tma)
     assert base.split_kv is False  # the old kernel
     split = dataclasses.replace(base, split_kv=True)
-    target = keys.BuildTarget(("9.0",), "13.0.88", "gcc 12.2.0")
-    assert split.name == base.name + "_splitkv"
-    assert keys.key_of(keys.components(split, target)) != keys.key_of(keys.components(base, target))
-    assert spec_from_dict(split.to_dict()) == split and split.to_dict()["split_kv"] is True
-    kernels = render.render(split, "ns")["kernels.cu"]
-    assert not JINJA_LEFTOVER.search(kernels)
+    kernels = _a_new_kernel_of_its_own(base, split, "split_kv", "_splitkv")
     assert "constexpr bool SPLIT_KV = true;" in kernels and "full_v[STAGES], empty_v[STAGES]" in kernels
     assert ("tma_kv_tile<2>" in kernels) == tma  # V onto its own barrier
     plain = render.render(base, "ns")["kernels.cu"]
@@ -613,17 +619,12 @@ def test_tma_is_a_spec_field_that_round_trips(head_dim, paged):
     base = VarlenSpec(head_dim=head_dim, dtype="bfloat16", paged=paged, wgmma=True)
     assert base.tma is False  # the old kernel
     tma = dataclasses.replace(base, tma=True)
-    target = keys.BuildTarget(("9.0",), "13.0.88", "gcc 12.2.0")
     if head_dim == 64:  # TMA brings the producer warpgroup, and its own default tile
         fresh = VarlenSpec(head_dim=64, dtype="bfloat16", wgmma=True, tma=True)
         assert not base.has_producer and tma.has_producer and (fresh.block_n, fresh.stages) == (128, 4)
         assert "constexpr bool PRODUCER = true;" in render.render(tma, "ns")["kernels.cu"]
         assert "constexpr bool PRODUCER = false;" in render.render(base, "ns")["kernels.cu"]
-    assert tma.name == base.name + "_tma"
-    assert keys.key_of(keys.components(tma, target)) != keys.key_of(keys.components(base, target))
-    assert spec_from_dict(tma.to_dict()) == tma and tma.to_dict()["tma"] is True
-    kernels = render.render(tma, "ns")["kernels.cu"]
-    assert not JINJA_LEFTOVER.search(kernels)
+    kernels = _a_new_kernel_of_its_own(base, tma, "tma", "_tma")
     assert "constexpr bool TMA = true;" in kernels and "cp.async.bulk.tensor.5d" in kernels
     assert "CUtensorMap" not in render.render(base, "ns")["kernels.cu"]
     # Calls take it where it measured better: paged producer shapes, packed keys at D64 / D128 and D256

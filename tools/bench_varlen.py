@@ -222,8 +222,6 @@ def bench_paged_prefill(args):
 # ---------------------------------------------------------------- (b) paged decode
 def bench_decode(args):
     batch, kv_len, h_q, h_kv, head_dim, page = 64, 4096, 32, 8, 128, 16
-    pages_per_seq = kv_len // page
-    total_pages = batch * pages_per_seq
     fn, params = torch_varlen()
     gqa = sdpa_has_enable_gqa()
     kv_bytes = 2 * batch * kv_len * h_kv * head_dim * 2
@@ -232,14 +230,11 @@ def bench_decode(args):
     seqused = torch.full((batch,), kv_len, dtype=torch.int32, device="cuda")
     sets = []
     for _ in range(sets_needed(kv_bytes)):
-        table = torch.randperm(total_pages, device="cuda").to(torch.int32).view(batch, pages_per_seq)
         q = torch.randn(batch, h_q, head_dim, device="cuda", dtype=BF16)
         k_dense = torch.randn(batch, kv_len, h_kv, head_dim, device="cuda", dtype=BF16)
         v_dense = torch.randn(batch, kv_len, h_kv, head_dim, device="cuda", dtype=BF16)
-        k_pool = torch.empty(total_pages, page, h_kv, head_dim, device="cuda", dtype=BF16)
-        v_pool = torch.empty_like(k_pool)
-        k_pool[table.view(-1).long()] = k_dense.view(-1, page, h_kv, head_dim)
-        v_pool[table.view(-1).long()] = v_dense.view(-1, page, h_kv, head_dim)
+        k_pool, v_pool, table = page_pools(k_dense.view(-1, h_kv, head_dim), v_dense.view(-1, h_kv, head_dim),
+                                           batch, kv_len, (page,))[page]
         ks, vs = (t.permute(0, 2, 1, 3).contiguous() for t in (k_dense, v_dense))  # (B, H_kv, L, D)
         # --decode-tiles also times the same keys packed (no block_table): what the paging costs
         packed = (k_dense.view(-1, h_kv, head_dim), v_dense.view(-1, h_kv, head_dim)) if args.decode_tiles else None

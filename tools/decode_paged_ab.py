@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 import jitattn  # noqa: E402
 from jitattn.jit import render  # noqa: E402
-from bench_util import interleaved_us, median_spread, sets_needed, time_us  # noqa: E402
+from bench_util import interleaved_us, median_spread, page_pools, sets_needed, time_us  # noqa: E402
 
 BF16 = torch.bfloat16
 B, L, H_Q, H_KV, D, PAGE = 64, 4096, 32, 8, 128, 16
@@ -60,16 +60,11 @@ def variant_kernels(root: Path | None, build_only: bool = False) -> dict:
 
 def make_sets(n: int):
     sets = []
-    pages = B * L // PAGE
     for _ in range(n):
-        table = torch.randperm(pages, device="cuda").to(torch.int32).view(B, L // PAGE)
         q = torch.randn(B, H_Q, D, device="cuda", dtype=BF16)
         k = torch.randn(B, L, H_KV, D, device="cuda", dtype=BF16)
         v = torch.randn(B, L, H_KV, D, device="cuda", dtype=BF16)
-        k_pool = torch.empty(pages, PAGE, H_KV, D, device="cuda", dtype=BF16)
-        v_pool = torch.empty_like(k_pool)
-        k_pool[table.view(-1).long()] = k.view(-1, PAGE, H_KV, D)
-        v_pool[table.view(-1).long()] = v.view(-1, PAGE, H_KV, D)
+        k_pool, v_pool, table = page_pools(k.view(-1, H_KV, D), v.view(-1, H_KV, D), B, L, (PAGE,))[PAGE]
         dense = tuple(t.permute(0, 2, 1, 3).contiguous() for t in (k, v))  # SDPA's (B, H_kv, L, D)
         sets.append(dict(q=q, k_pool=k_pool, v_pool=v_pool, table=table, k=k.view(-1, H_KV, D),
                          v=v.view(-1, H_KV, D), dense=dense))
