@@ -7,7 +7,10 @@ paged batch. The schedules and SDPA are timed in interleaved rounds (the clocks 
 by as much as the differences being judged), each cell the median with the rounds' min-max.
   python tools/fwd_schedule.py [--quick] [--head-dims 64 128 256] [--rounds 3]
 Variants (--schedules) are "none", "pingpong", "overlap", "pingpong,overlap", "default", each
-optionally for one head_dim and with tile fields: "d128:block_n=96,stages=4,pingpong".
+optionally for one head_dim, with the flags split_kv and tma, and with tile fields:
+"d128:block_n=96,stages=4,pingpong", "d256:block_n=80,stages=2,tma,split_kv". Every variant but
+"default" turns off what it does not name (so "none" at D256 is the call's 80 x 2 tile without
+split_kv); --packed-only skips the paged checks for tiles the paged TMA producer cannot take.
 As a pytest plugin: FWD_SCHEDULE=<variant> python -m
 pytest -p fwd_schedule ... (tools/ on sys.path) runs every call on that schedule instead of the
 spec's default, so the GPU tests cover a schedule before it becomes one.
@@ -27,8 +30,6 @@ def parse(variant: str) -> tuple[int | None, dict]:
     """"pingpong,overlap" / "none" / "default", optionally "d128:" first and tile fields
     ("d128:block_n=96,stages=4,pingpong"): (head_dim it is for or None, VarlenSpec overrides)."""
     head_dim, _, fields = variant.rpartition(":")
-    # Not "default": the plain schedule with one barrier a stage unless named, on the default tile
-    # of the spec a call makes (so "none" at D256 is its 80 x 2 tile without split_kv).
     overrides = {"pingpong": False, "overlap": False, "split_kv": False} if fields != "default" else {}
     for item in fields.split(","):
         if item in ("pingpong", "overlap", "split_kv", "tma"):
