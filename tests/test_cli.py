@@ -498,8 +498,8 @@ def test_several_families_in_one_command(capsys, no_builds):
 
 def test_the_backward_family_takes_the_same_flags(capsys, no_builds):
     """varlen_backward, registered by its own spec module: the rung a backward call on the archs
-    runs (wgmma with its producer warpgroup on sm_90 at head_dim 64/128/256, mma.sync elsewhere),
-    varlen-only flags ignored."""
+    runs (wgmma with its producer warpgroup on sm_90 at head_dim 64/128/256, at 256 with dQ in its
+    own kernel; mma.sync elsewhere), varlen-only flags ignored."""
     from jitattn.varlen.spec import VarlenBackwardSpec
 
     got, _ = dry_run(capsys, "prewarm", "--family", "varlen_backward", "--head-dim", "64,128,256", "--dtype",
@@ -507,7 +507,7 @@ def test_the_backward_family_takes_the_same_flags(capsys, no_builds):
     assert [registry.spec_from_dict(d) for d in got] == [
         VarlenBackwardSpec(64, "bfloat16", wgmma=True, producer=True),
         VarlenBackwardSpec(128, "bfloat16", wgmma=True, producer=True),
-        VarlenBackwardSpec(256, "bfloat16", wgmma=True, producer=True)]
+        VarlenBackwardSpec(256, "bfloat16", wgmma=True, producer=True, dq_kernel=True)]
     got, _ = dry_run(capsys, "prewarm", "--family", "varlen,varlen_backward", "--head-dim", "128", "--paged", "off",
                      "--decode", "off", "--arch", "8.0;9.0")
     assert [registry.spec_from_dict(d) for d in got] == [

@@ -11,7 +11,8 @@ in tests/test_varlen_backward.py). Key/value rows that must not be read hold NaN
 On an sm_90 GPU head_dim 64, 128 and 256 run the Hopper (wgmma) rung by default; the tests marked
 with a `rung` parameter, and half the random configurations at those head dims, run the
 mma.sync rung too (forced, as JITATTN_WGMMA=0 would). JITATTN_TEST_BACKWARD_PRODUCER=1 / 0
-runs the wgmma rung with / without its producer warpgroup.
+runs the wgmma rung with / without its producer warpgroup; JITATTN_TEST_BACKWARD_DQ_KERNEL=0 the
+D256 producer kernel with dQ inside (not the dq_kernel variant).
 
 Every gradient is compared relatively (Frobenius, ||g - ref|| / ||ref||) and absolutely (max
 |g - ref| against the largest gradient entry of the case): with one visible key per row the
@@ -89,6 +90,11 @@ def _producer_variant(monkeypatch):
         from jitattn.varlen import backward_launch as varlen_backward_launch
 
         monkeypatch.setattr(varlen_backward_launch, "PRODUCER_HEAD_DIMS", frozenset({64, 128, 256} if choice == "1" else ()))
+        monkeypatch.setattr(varlen_backward_launch, "_kernels", {})
+    if os.environ.get("JITATTN_TEST_BACKWARD_DQ_KERNEL") == "0":  # D256: dQ in the main kernel again
+        from jitattn.varlen import backward_launch as varlen_backward_launch
+
+        monkeypatch.setattr(varlen_backward_launch, "DQ_KERNEL_HEAD_DIMS", frozenset())
         monkeypatch.setattr(varlen_backward_launch, "_kernels", {})
 
 
@@ -567,6 +573,7 @@ def test_hopper_runs_the_wgmma_rung_at_head_dim_64_128_and_256():
         assert (head_dim, BF16, True, False) in launch._kernels  # (head_dim, dtype, wgmma allowed, soft cap)
         spec = launch._kernels[(head_dim, BF16, True, False)][1]
         assert spec.wgmma and spec.producer is (head_dim in launch.PRODUCER_HEAD_DIMS)
+        assert spec.dq_kernel is (spec.producer and head_dim in launch.DQ_KERNEL_HEAD_DIMS)
 
 
 # ---------------------------------------------------------------- refusals (also tested on the CPU)

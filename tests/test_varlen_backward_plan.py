@@ -13,7 +13,7 @@ from jitattn.varlen.spec import VarlenBackwardSpec
 
 F16, BF16, I32 = torch.float16, torch.bfloat16, torch.int32
 NAMES = ("dout", "dlse", "q", "k", "v", "out", "lse", "cu_q", "cu_k", "used", "dq", "dk", "dv", "n_blocks", "left",
-         "right", "scale", "scale_log2", "softcap", "deterministic")
+         "right", "scale", "scale_log2", "softcap", "deterministic", "m_blocks")  # m_blocks: dq_kernel only
 
 
 @pytest.fixture
@@ -70,11 +70,25 @@ def test_spec_is_the_tuned_tile_of_the_head_dim(launches, head_dim, tile, dtype)
     (96, True, None, False), (128, False, None, False)])
 def test_hopper_rung_where_it_covers_the_head_dim(launches, monkeypatch, head_dim, hopper, knob, want):
     """On sm_90 head_dim 64 / 128 / 256 run the wgmma rung (JITATTN_WGMMA=0 turns it off, as for the
-    forward); other head dims and GPUs the mma.sync one."""
+    forward), at 256 with dQ in its own kernel; other head dims and GPUs the mma.sync one."""
     monkeypatch.setattr(launch, "wgmma_allowed", lambda device: hopper and knob != "0")
     _, (spec, _), _ = call(launches, shape=dict(d=head_dim))
     assert spec.wgmma is want
-    assert spec == VarlenBackwardSpec(head_dim, "bfloat16", wgmma=want, producer=want)
+    assert spec == VarlenBackwardSpec(head_dim, "bfloat16", wgmma=want, producer=want,
+                                      dq_kernel=want and head_dim == 256)
+
+
+def test_dq_kernel_where_plan_lists_it(launches, monkeypatch):
+    """D256 on sm_90 takes the dQ kernel unless DQ_KERNEL_HEAD_DIMS leaves 256 out; the call then
+    passes the dQ grid (query tiles of 128 packed rows) as the op's last argument."""
+    monkeypatch.setattr(launch, "wgmma_allowed", lambda device: True)
+    for dims in (frozenset(), frozenset({256})):
+        monkeypatch.setattr(launch, "DQ_KERNEL_HEAD_DIMS", dims)
+        monkeypatch.setattr(launch, "_kernels", {})
+        _, (spec, run), _ = call(launches, shape=dict(d=256))
+        assert spec == VarlenBackwardSpec(256, "bfloat16", wgmma=True, producer=True, dq_kernel=bool(dims))
+        # max_q 300 x 4 query heads per KV head (8 / 2) = 1200 packed rows: 10 tiles of 128
+        assert run.get("m_blocks") == (10 if dims else None)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

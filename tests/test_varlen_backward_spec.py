@@ -12,7 +12,7 @@ import pytest
 from jitattn.jit import keys, render
 from jitattn.jit.manifest import read_manifest
 from jitattn.jit.registry import spec_from_dict
-from jitattn.varlen.spec import VarlenBackwardSpec, VarlenSpec
+from jitattn.varlen.spec import DQ_KERNEL_HEAD_DIMS, VarlenBackwardSpec, VarlenSpec
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET = keys.BuildTarget(("9.0",), "13.0.88", "gcc 12.2.0")
@@ -78,6 +78,9 @@ def test_backward_spec_round_trips_through_a_dict():
     (dict(head_dim=128, wgmma=True, block_m=128), "wgmma tile at head_dim 128 is block_n=128, block_m=64"),
     (dict(head_dim=256, wgmma=True, block_n=128), "wgmma tile at head_dim 256 is block_n=64, block_m=64, warps_q=2"),
     (dict(head_dim=128, producer=True), "producer=True is part of the wgmma rung"),
+    (dict(head_dim=128, wgmma=True, producer=True, dq_kernel=True), "dq_kernel=True is a variant"),
+    (dict(head_dim=256, wgmma=True, dq_kernel=True), "dq_kernel=True is a variant"),
+    (dict(head_dim=256, dq_kernel=True), "dq_kernel=True is a variant"),
 ])
 def test_backward_spec_refuses_shapes_it_cannot_run(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -112,6 +115,27 @@ def test_backward_wgmma_rung_renders_and_targets_sm90a(head_dim, dtype, ptx, pro
         spec.archs_for(("8.0",))
 
 
+@pytest.mark.parametrize("dtype, ptx", [("float16", "f16"), ("bfloat16", "bf16")])
+@pytest.mark.parametrize("soft_cap", [False, True])
+def test_backward_dq_kernel_variant_names_keys_and_renders_its_kernel(dtype, ptx, soft_cap):
+    """dq_kernel: its own name and key, a round trip, and the rendered source with the dQ kernel
+    (n64 S / dP, n256 dQ from registers) and the dK / dV kernel without dQ atomics or a postprocess."""
+    base = VarlenBackwardSpec(256, dtype, wgmma=True, producer=True, soft_cap=soft_cap)
+    spec = dataclasses.replace(base, dq_kernel=True)
+    assert spec.name == f"varlen_backward_{ptx}_d256_wgmma_producer_dqkernel{'_cap' if soft_cap else ''}_n64m64q2"
+    assert spec_from_dict(spec.to_dict()) == spec and spec.smem_bytes() <= 227 * 1024
+    assert keys.key_of(keys.components(base, TARGET)) != keys.key_of(keys.components(spec, TARGET))
+    sources = render.render(spec, "ns")
+    kernels = sources["kernels.cu"]
+    assert not JINJA_LEFTOVER.search(kernels)
+    assert "void __launch_bounds__(DQ_THREADS, 1) varlen_bwd_dq(" in kernels and "launch_dependent(varlen_bwd_post" not in kernels
+    for n in (32, 64, 128, 256):
+        assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx}" in kernels
+    assert "dq_atomics" not in kernels and "atomicAdd(reinterpret_cast<float4*>" not in kernels.split("varlen_bwd_dq")[0]
+    assert "int num_m_blocks) -> ()" in sources["binding.cpp"]
+    assert "int num_m_blocks" not in render.render(base, "ns")["binding.cpp"]
+
+
 def test_backward_templates_are_apart_from_the_forward_ones():
     """The forward's cache keys must not move when the backward's templates change."""
     forward = render.template_files(render.templates_dir(), tuple(sorted(VarlenSpec.sources.values())))
@@ -129,7 +153,8 @@ def test_manifests_list_the_backward_beside_the_forward(manifest):
         for dtype in ("float16", "bfloat16"):
             assert VarlenBackwardSpec(head_dim, dtype) in backward, (manifest, head_dim, dtype)
             if VarlenBackwardSpec.wgmma_fits(head_dim):
-                producer = VarlenBackwardSpec(head_dim, dtype, wgmma=True, producer=True)
+                producer = VarlenBackwardSpec(head_dim, dtype, wgmma=True, producer=True,
+                                              dq_kernel=head_dim in DQ_KERNEL_HEAD_DIMS)
                 assert producer in backward, (manifest, head_dim, dtype)  # what backward_launch plans
                 lockstep = VarlenBackwardSpec(head_dim, dtype, wgmma=True)
                 assert (lockstep in backward) == (manifest == "gpu-tests.toml"), "the lockstep variant is opt-in"

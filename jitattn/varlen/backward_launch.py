@@ -18,6 +18,7 @@ from torch import Tensor
 from jitattn import checks as check
 from jitattn.jit import env
 from jitattn.jit.loader import get_module
+from jitattn.varlen import spec as _spec
 from jitattn.varlen.spec import VarlenBackwardSpec
 
 LOG2E = 1.4426950408889634
@@ -29,6 +30,10 @@ WINDOW_CLAMP = 1 << 30  # a window wider than any sequence: the kernels' 32-bit 
 # (notes/backward-h200.md); D256 (Q / dO by TMA, dQ by the compute warps' atomics, whole 128-byte
 # lines an instruction) 259 / 240, against 114 / 114 on the mma.sync rung (notes/backward-d256.md).
 PRODUCER_HEAD_DIMS: frozenset[int] = frozenset({64, 128, 256})
+# Head dims whose backward (wgmma, producer) takes dQ out of the main kernel into its own
+# query-major kernel (VarlenBackwardSpec.dq_kernel; the spec module's list, read at plan time so
+# tests and benchmarks can turn it off here).
+DQ_KERNEL_HEAD_DIMS: frozenset[int] = _spec.DQ_KERNEL_HEAD_DIMS
 
 _kernels: dict[tuple, tuple[object, VarlenBackwardSpec]] = {}  # (head_dim, dtype, wgmma, cap) -> (run op, spec)
 _hopper: dict[int | None, bool] = {}  # device index -> sm_90
@@ -50,8 +55,9 @@ def plan(head_dim: int, dtype: torch.dtype, wgmma: bool = False, soft_cap: bool 
     `wgmma` allows it (with a producer warpgroup at PRODUCER_HEAD_DIMS), else mma.sync; the
     tuned tile of the head_dim; the soft cap's variant when the forward had one."""
     wgmma = wgmma and VarlenBackwardSpec.wgmma_fits(head_dim)
-    return VarlenBackwardSpec(head_dim, check.DTYPE_NAMES[dtype], wgmma=wgmma,
-                              producer=wgmma and head_dim in PRODUCER_HEAD_DIMS, soft_cap=soft_cap)
+    producer = wgmma and head_dim in PRODUCER_HEAD_DIMS
+    return VarlenBackwardSpec(head_dim, check.DTYPE_NAMES[dtype], wgmma=wgmma, producer=producer, soft_cap=soft_cap,
+                              dq_kernel=producer and head_dim in DQ_KERNEL_HEAD_DIMS)
 
 
 def _kernel(head_dim: int, dtype: torch.dtype, wgmma: bool, soft_cap: bool):
@@ -112,8 +118,11 @@ def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tens
     if seqused_k is not None:
         seqused_k = seqused_k.contiguous()
     if total_q > 0:
+        # dq_kernel: its grid, query tiles of 128 packed rows (backward_dq.cuh's DQ_ROWS)
+        extra = (num_key_blocks(max_q * (heads_q // key.shape[1]), 128),) if spec.dq_kernel else ()
         run(grad_out, grad_lse, q, k, v, out, lse, cu_seq_q, cu_seq_k, seqused_k, targets[0], targets[1], targets[2],
-            num_key_blocks(max_k, spec.block_n), left, right, scale, scale * LOG2E, softcap, bool(deterministic))
+            num_key_blocks(max_k, spec.block_n), left, right, scale, scale * LOG2E, softcap, bool(deterministic),
+            *extra)
     for result, target in zip((dq, dk, dv), targets):
         if target is not result:
             result.copy_(target)

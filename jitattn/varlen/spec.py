@@ -25,6 +25,10 @@ def _wgmma_archs(name: str, archs: tuple[str, ...]) -> tuple[str, ...]:
 # tma=True on decode shapes still build and run (tools/bench_varlen.py --decode-tiles N,M,K,S,1).
 DECODE_TMA = False
 
+# Head dims whose wgmma backward (with the producer) computes dQ in a kernel of its own
+# (VarlenBackwardSpec.dq_kernel): where backward_launch.plan takes it, and what prewarm builds.
+DQ_KERNEL_HEAD_DIMS: frozenset[int] = frozenset({256})
+
 
 @register
 @dataclass(frozen=True)
@@ -249,7 +253,11 @@ class VarlenBackwardSpec(KernelSpec):
     dQ with one bulk reduce-add, handing both over through mbarriers (FlashAttention-3's data
     movement; jitattn.varlen.backward_launch.PRODUCER_HEAD_DIMS, the default at 64, 128, 256;
     at 256 only the copies: the compute warpgroups add dQ themselves).
-    `soft_cap`: the backward of the forward's logit soft cap (the cap a runtime argument)."""
+    `soft_cap`: the backward of the forward's logit soft cap (the cap a runtime argument).
+    `dq_kernel` (wgmma with the producer, head_dim 256: DQ_KERNEL_HEAD_DIMS, where backward_launch
+    plans it): dQ by a kernel of its own, one CTA per query tile summing dQ in registers over the
+    key tiles (templates/varlen/backward_dq.cuh; no fp32 accumulator, no atomics, no
+    postprocess), the main kernel computing dK / dV only (notes/backward-d256.md)."""
 
     family: ClassVar[str] = "varlen_backward"
     sources: ClassVar[dict[str, str]] = {
@@ -265,6 +273,7 @@ class VarlenBackwardSpec(KernelSpec):
     wgmma: bool = False
     producer: bool = False
     soft_cap: bool = False  # the forward's logit soft cap: dS takes the slope 1 - tanh^2
+    dq_kernel: bool = False  # dQ by its own query-major kernel, the main kernel dK / dV only
 
     @classmethod
     def prewarm_variants(cls, fields: dict, archs: tuple[str, ...]) -> list[dict]:
@@ -278,7 +287,12 @@ class VarlenBackwardSpec(KernelSpec):
         other = not archs or any(a.rstrip("a") != "9.0" for a in archs)
         fits = cls.wgmma_fits(fields.get("head_dim", 0))
         rungs = ([True] if fits and hopper else []) + ([False] if other or not fits else [])
-        return [{**fields, "wgmma": w, **({"producer": fields.get("producer", True)} if w else {})} for w in rungs]
+        def hopper_fields():
+            producer = fields.get("producer", True)
+            dq = fields.get("dq_kernel", producer and fields.get("head_dim", 0) in DQ_KERNEL_HEAD_DIMS)
+            return {"producer": producer, "dq_kernel": dq}
+
+        return [{**fields, "wgmma": w, **(hopper_fields() if w else {})} for w in rungs]
 
     def __post_init__(self):
         if self.head_dim % 16 or not 32 <= self.head_dim <= 256:
@@ -287,6 +301,10 @@ class VarlenBackwardSpec(KernelSpec):
             raise ValueError(f"varlen_backward dtype must be float16 or bfloat16, got {self.dtype!r}")
         if self.producer and not self.wgmma:
             raise ValueError("varlen_backward producer=True is part of the wgmma rung: set wgmma=True")
+        if self.dq_kernel and not (self.producer and self.head_dim in DQ_KERNEL_HEAD_DIMS):
+            raise ValueError(f"varlen_backward dq_kernel=True is a variant of the wgmma rung with the producer at "
+                             f"head_dim {sorted(DQ_KERNEL_HEAD_DIMS)} (got head_dim={self.head_dim}, "
+                             f"wgmma={self.wgmma}, producer={self.producer})")
         if self.wgmma and not self.wgmma_fits(self.head_dim):
             raise ValueError(f"varlen_backward wgmma kernels cover head_dim 64, 128 and 256 (got {self.head_dim})")
         tile = self.default_tile(self.head_dim, self.wgmma)
@@ -347,19 +365,20 @@ class VarlenBackwardSpec(KernelSpec):
         kv = self.block_n * row_chunks
         qt = self.block_m * row_chunks
         ds = self.block_n * self.block_m // 8
-        if self.wgmma:  # dS^T stages (2 with the producer at warps_q=1), with P^T beside it at warps_q=2
-            p_tile = (2 if self.producer and self.warps_q == 1 else 1) * self.warps_q
+        if self.wgmma:  # dS^T stages (2 with the producer at warps_q=1 or dq_kernel), with P^T beside it at warps_q=2
+            p_tile = (2 if self.producer and (self.warps_q == 1 or self.dq_kernel) else 1) * self.warps_q
         else:
             p_tile = 2 if self.warps_q == 2 else 1
         # two dQ hand-off buffers (the producer's bulk add); at warps_q=2 the compute warps add,
         # through a scratch of 8 rows x head_dim / 4 floats a warp (DQ_SCRATCH)
         dq = 2 * self.block_m * self.head_dim * 4 if self.producer and self.warps_q == 1 else 0
-        if self.wgmma and self.warps_q == 2:
+        if self.wgmma and self.warps_q == 2 and not self.dq_kernel:
             dq = self.warps * 8 * self.head_dim // 4 * 4
         return (2 * kv + 4 * qt + p_tile * ds) * 16 + 4 * self.block_m * 4 + dq + (1024 if self.wgmma else 0)
 
     @property
     def name(self) -> str:
         rung = "_wgmma_producer" if self.producer else "_wgmma" if self.wgmma else ""
+        rung += "_dqkernel" if self.dq_kernel else ""
         return (f"varlen_backward_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{rung}{'_cap' if self.soft_cap else ''}"
                 f"_n{self.block_n}m{self.block_m}q{self.warps_q}")

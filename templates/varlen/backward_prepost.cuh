@@ -35,11 +35,20 @@ __global__ void __launch_bounds__(PRE_THREADS) varlen_bwd_pre(const BwdParams p)
   for (int width = PRE_LANES / 2; width > 0; width /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, width);
   if (!valid) return;
   const int64_t prow = packed_row(p, token, head);
+{% if dq_kernel %}
+  // No accumulator: varlen_bwd_dq writes the dq rows of every sequence, this the others' zeros
+  // (tokens before cu_seq_q[0] or from cu_seq_q[N] on).
+  if (part < CHUNKS && (token < p.cu_seq_q[0] || token >= p.cu_seq_q[p.num_seqs])) {
+    const float zeros[8] = {};
+    store_floats<T, 8>(static_cast<T*>(p.dq) + token * p.dq_stride_token + head * p.dq_stride_head + part * 8, zeros);
+  }
+{% else %}
   if (part < CHUNKS) {
     float4* acc = reinterpret_cast<float4*>(p.dq_accum + prow * HEAD_DIM + part * 8);
     acc[0] = make_float4(0.f, 0.f, 0.f, 0.f);
     acc[1] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
+{% endif %}
   if (part == 0) {
     const float lse = p.lse[head * p.lse_stride_head + token * p.lse_stride_token];
     const float dlse = p.dlse ? p.dlse[head * p.dlse_stride_head + token * p.dlse_stride_token] : 0.f;
@@ -48,6 +57,7 @@ __global__ void __launch_bounds__(PRE_THREADS) varlen_bwd_pre(const BwdParams p)
   }
 }
 
+{% if not dq_kernel %}
 // dQ = scale * accumulator, in q's dtype, for every (token, head) (DQ_SWIZZLE: its float4s
 // permuted within the row, as the main kernel's bulk add left them).
 __global__ void __launch_bounds__(256) varlen_bwd_post(const BwdParams p) {
@@ -65,3 +75,4 @@ __global__ void __launch_bounds__(256) varlen_bwd_post(const BwdParams p) {
                          x1.x * p.scale, x1.y * p.scale, x1.z * p.scale, x1.w * p.scale};
   store_floats<T, 8>(static_cast<T*>(p.dq) + token * p.dq_stride_token + head * p.dq_stride_head + chunk * 8, vals);
 }
+{% endif %}

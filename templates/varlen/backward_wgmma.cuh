@@ -59,7 +59,13 @@ constexpr int DS_TILE = BLOCK_N * DS_CHUNKS;
 constexpr int STAGES = 2;                      // query tiles in flight (Q, dO, lse2, delta)
 // DKV_SPLIT: one stage, so its 16 KB hold DQ_SCRATCH (each warpgroup then waits, before writing
 // a tile's P^T / dS^T, for the other to finish reading the last tile's: barriers 4 and 5).
+{% if dq_kernel %}
+// DQ_KERNEL (dQ by varlen_bwd_dq): no scratch, so two stages again; both warpgroups' dV / dK of
+// tile i - 2 are done before either passes barrier 1 of tile i - 1 (no barriers 4 and 5).
+constexpr int DS_STAGES = 2;
+{% else %}
 constexpr int DS_STAGES = PRODUCER && !DKV_SPLIT ? 2 : 1;
+{% endif %}
 constexpr int DS_TILES = DKV_SPLIT ? 2 : 1;    // a stage's dS^T, and with DKV_SPLIT P^T after it
 // dQ hand-off buffers of the bulk add; 0: the compute warpgroups add dQ from registers (vector
 // atomics; DKV_SPLIT: 64 KB a buffer does not fit beside two Q / dO stages, nor does
@@ -71,7 +77,12 @@ constexpr int DQ_TILE = BLOCK_M * HEAD_DIM;    // floats of one dQ hand-off buff
 // bytes. The L2's fp32 reductions bound this kernel (64 KB of dQ a step): in isolation on the
 // H200 (132 CTAs, 64 x 256 tiles into 512 MB) 4 lines an instruction add 1.33 TB/s against
 // 0.98 for the fragments' 16 rows (bulk reduce-add from shared memory: 1.46).
+{% if dq_kernel %}
+constexpr int DQ_SCRATCH = 0;
+static_assert(DKV_SPLIT && PRODUCER, "dq_kernel: the head_dim 256 split with the producer");
+{% else %}
 constexpr int DQ_SCRATCH = DKV_SPLIT ? CONSUMERS / 32 * 8 * DQ_SN : 0;  // floats
+{% endif %}
 // wgmma's atoms must be 1024-aligned: room to align the dynamic shared memory base.
 constexpr int SMEM_BYTES = (2 * KV_CHUNKS + 2 * STAGES * QT_CHUNKS + DS_STAGES * DS_TILES * DS_TILE) * 16 +
                            STAGES * 2 * BLOCK_M * 4 + DQ_STAGES * DQ_TILE * 4 + DQ_SCRATCH * 4 + 1024;
@@ -182,7 +193,11 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     }
   }
   load_kv<Tiles, THREADS>(p, w, k_smem, v_smem, tid);
+{% if dq_kernel %}
+  wait_for_prerequisite_grid();  // the preprocess wrote lse2 / delta
+{% else %}
   wait_for_prerequisite_grid();  // the preprocess wrote lse2 / delta and zeroed dQ
+{% endif %}
   if constexpr (!PRODUCER) {
     if (tiles > 0) load_query_tile<QTiles, THREADS>(p, w, w.m_begin, q_smem, do_smem, stats, tid);
   }
@@ -339,9 +354,11 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     // dS^T (DKV_SPLIT: and P^T; this warpgroup's queries) -> shared memory (T), for dQ (dV,
     // dK); else P^T and dS^T as A fragments. DKV_SPLIT with PRODUCER: one stage, which the
     // other warpgroup's MMAs of tile i - 1 read until it arrived at barrier 4 + its index.
+{% if not dq_kernel %}
     if constexpr (DKV_SPLIT && PRODUCER) {
       if (i > 0) named_barrier(4 + (wg ^ 1), CONSUMERS);
     }
+{% endif %}
 #pragma unroll
     for (int nt = 0; nt < Q_TILES; ++nt) {
       ds32[DsRows::at(key0 + g, q0 / 8 + nt) * 4 + c] = pack2<T>(dp4[nt][0], dp4[nt][1]);
@@ -370,6 +387,19 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     fence_proxy_async_shared();  // dS^T, before wgmma reads it
     named_barrier(1, CONSUMERS);  // both warpgroups' dS^T written
 
+{% if dq_kernel %}
+    // dV += P^T dO, dK += dS^T Q on this warpgroup's columns, A from shared (no dQ here).
+    wgmma_pin(dk);
+    wgmma_pin(dv);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+      Wgmma<T, DKV_N>::ss<1, 1>(dv, dsk_tile_desc + DS_TILE + kk * 2, dot_desc + qs + kk * 128);
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+      Wgmma<T, DKV_N>::ss<1, 1>(dk, dsk_tile_desc + kk * 2, qt_desc + qs + kk * 128);
+    wgmma_commit();
+{% else %}
     // dQ = dS K (this warpgroup's columns), then dK += dS^T Q. DKV_SPLIT: dQ in DQ_SLICES slices
     // of 64 columns (FlashAttention-3's Slice_dQKV_Mma: half the registers), dV before the first
     // slice's atomics and dK before the second's run under them.
@@ -479,14 +509,17 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
         if (sem) pass_turn(sem);
       }
     }
+{% endif %}
     wgmma_wait<0>();
     wgmma_pin(dk);
     wgmma_pin(dv);
     if constexpr (PRODUCER) {
       if (lane == 0) mbarrier_arrive(&empty[stage]);  // this warp is done with the stage
+{% if not dq_kernel %}
       if constexpr (DKV_SPLIT) {  // done reading this tile's P^T / dS^T: the other may overwrite them
         if (i + 1 < tiles) named_barrier_arrive(4 + wg, CONSUMERS);
       }
+{% endif %}
     }
   }
   allow_dependent_launch();
