@@ -24,8 +24,12 @@ constexpr int DQ_ROWS = 128;                   // packed query rows a CTA (two w
 constexpr int DQ_KEYS = 64;                    // keys a step
 constexpr int DQ_K_STAGES = 2, DQ_V_STAGES = 1;
 constexpr int DQ_THREADS = 3 * 128;            // two compute warpgroups and the producer's
-constexpr int DQ_CONSUMER_REGS = 240, DQ_PRODUCER_REGS = 32;
-static_assert(128 * DQ_PRODUCER_REGS + 256 * DQ_CONSUMER_REGS <= 65536, "register budget");
+constexpr int DQ_CONSUMER_REGS = 240, DQ_PRODUCER_REGS = 24;
+// setmaxnreg.inc waits until the producer's setmaxnreg.dec gave back enough registers: from the
+// launch's per-thread count (65536 / 384 rounded down to 8: 168) the two must balance, or the
+// compute warpgroups wait forever (32 / 240 hung on the H200). ptxas: 24 / 240 spills 12 bytes (the loader warp: 0 with 32 / 240); 32 / 232 serializes every wgmma (advisory C7512).
+constexpr int DQ_LAUNCH_REGS = 65536 / DQ_THREADS / 8 * 8;
+static_assert(128 * (DQ_LAUNCH_REGS - DQ_PRODUCER_REGS) >= 256 * (DQ_CONSUMER_REGS - DQ_LAUNCH_REGS), "register budget");
 constexpr int DQ_QBLOCK = DQ_ROWS * 8;         // a 64-column block of Q / dO, in uint4
 constexpr int DQ_QT_CHUNKS = DQ_ROWS * ROW_CHUNKS;
 constexpr int DQ_KV_CHUNKS = DQ_KEYS * ROW_CHUNKS;
