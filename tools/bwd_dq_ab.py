@@ -27,6 +27,7 @@ import jitattn  # noqa: E402
 from jitattn.varlen import backward_launch as launch  # noqa: E402
 
 BF16, F16 = torch.bfloat16, torch.float16
+PATHS = (True, False)  # check both paths (--new-only: the dq_kernel path alone)
 
 
 def path(dq_kernel: bool):
@@ -56,7 +57,7 @@ def check():
          dict(with_lse=True)),
     ]
     failures = 0
-    for dq_kernel in (True, False):
+    for dq_kernel in PATHS:
         path(dq_kernel)
         for i, (what, kw, window, extra) in enumerate(cases):
             b = make_batch(head_dim=256, seed=100 + i, **kw)
@@ -164,7 +165,11 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--new-only", action="store_true", help="check only the dq_kernel path")
     args = parser.parse_args()
+    global PATHS
+    if args.new_only:
+        PATHS = (True,)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     failures = 0 if args.skip_check else check()
     if not args.skip_bench:
