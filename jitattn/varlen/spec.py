@@ -344,7 +344,8 @@ class VarlenBackwardSpec(KernelSpec):
         FlashAttention-3's hdim64 tile, measured 372 / 316 against 391 / 323: notes/backward-h200.md).
         wgmma at D256: 64 keys x 64 queries, warps_q=2 (the warpgroups split dK / dV along
         head_dim: 128 keys would need 256 accumulator registers a thread), with the producer 259 /
-        240 against 114 / 114 on mma.sync (notes/backward-d256.md; bound by the L2's dQ reductions)."""
+        240 against 114 / 114 on mma.sync (notes/backward-d256.md; bound by the L2's dQ reductions);
+        with dQ in its own kernel (dq_kernel) 391 / 353."""
         if wgmma:  # head_dim 256: 64 keys, the two warpgroups split dK / dV along head_dim (warps_q=2)
             return (128, 64, 1) if head_dim <= 128 else (64, 64, 2)
         return (128, 64, 1) if head_dim <= 128 else (64, 64, 2)
