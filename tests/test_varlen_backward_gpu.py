@@ -98,6 +98,26 @@ def _producer_variant(monkeypatch):
         monkeypatch.setattr(varlen_backward_launch, "_kernels", {})
 
 
+@pytest.fixture(autouse=True)
+def _consumer_regs_variant(monkeypatch):
+    """JITATTN_TEST_BACKWARD_CONSUMER_REGS=240: every producer backward at head_dim 128 with that
+    register split (VarlenBackwardSpec.consumer_regs), whatever the default."""
+    regs = os.environ.get("JITATTN_TEST_BACKWARD_CONSUMER_REGS")
+    if regs is not None:
+        import dataclasses
+
+        from jitattn.varlen import backward_launch as varlen_backward_launch
+
+        plan = varlen_backward_launch.plan
+
+        def with_regs(head_dim, dtype, wgmma=False, soft_cap=False):
+            spec = plan(head_dim, dtype, wgmma, soft_cap)
+            return dataclasses.replace(spec, consumer_regs=int(regs)) if spec.producer and head_dim == 128 else spec
+
+        monkeypatch.setattr(varlen_backward_launch, "plan", with_regs)
+        monkeypatch.setattr(varlen_backward_launch, "_kernels", {})
+
+
 @pytest.fixture(params=["default", "mma"])
 def rung(request, monkeypatch):
     """Run the test on the default rung (wgmma at head_dim 64/128/256 on sm_90) and on mma.sync."""

@@ -12,7 +12,7 @@ import pytest
 from jitattn.jit import keys, render
 from jitattn.jit.manifest import read_manifest
 from jitattn.jit.registry import spec_from_dict
-from jitattn.varlen.spec import DQ_KERNEL_HEAD_DIMS, VarlenBackwardSpec, VarlenSpec
+from jitattn.varlen.spec import CONSUMER_REGS, DQ_KERNEL_HEAD_DIMS, VarlenBackwardSpec, VarlenSpec
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET = keys.BuildTarget(("9.0",), "13.0.88", "gcc 12.2.0")
@@ -57,6 +57,27 @@ def test_backward_names_and_keys_differ_in_every_field(field, value):
     assert keys.key_of(keys.components(base, TARGET)) != keys.key_of(keys.components(other, TARGET))
 
 
+def test_backward_consumer_regs_is_a_split_of_the_producer_variant():
+    # 0 resolves to the tuned split; every split fits the launch's register pool (168 a thread
+    # at 384 threads), which setmaxnreg cannot grow.
+    for head_dim in (64, 128, 256):
+        spec = VarlenBackwardSpec(head_dim, "bfloat16", wgmma=True, producer=True)
+        assert spec.consumer_regs == VarlenBackwardSpec.default_consumer_regs(head_dim) in CONSUMER_REGS
+    assert VarlenBackwardSpec(128, wgmma=True).consumer_regs == 0
+    assert all(128 * p + 256 * c <= 168 * 384 for c, p in CONSUMER_REGS.items())
+    base = VarlenBackwardSpec(128, "bfloat16", wgmma=True, producer=True, consumer_regs=224)
+    other = dataclasses.replace(base, consumer_regs=240)
+    assert base.name == "varlen_backward_bf16_d128_wgmma_producer_n128m64q1"
+    assert other.name == "varlen_backward_bf16_d128_wgmma_producer_r240_n128m64q1"
+    assert keys.key_of(keys.components(base, TARGET)) != keys.key_of(keys.components(other, TARGET))
+    assert "PRODUCER_REGS = 24, CONSUMER_REGS = 240;" in render.render(other, "x")["kernels.cu"]
+    assert "PRODUCER_REGS = 56, CONSUMER_REGS = 224;" in render.render(base, "x")["kernels.cu"]
+    with pytest.raises(ValueError, match="consumer_regs is one of"):
+        VarlenBackwardSpec(128, wgmma=True, producer=True, consumer_regs=232)
+    with pytest.raises(ValueError, match="set producer=True"):
+        VarlenBackwardSpec(128, wgmma=True, consumer_regs=240)
+
+
 def test_backward_spec_round_trips_through_a_dict():
     spec = VarlenBackwardSpec(96, "bfloat16", block_n=64)
     assert spec.to_dict()["family"] == "varlen_backward"
@@ -99,7 +120,8 @@ def test_backward_wgmma_rung_renders_and_targets_sm90a(head_dim, dtype, ptx, pro
     spec = VarlenBackwardSpec(head_dim, dtype, wgmma=True, producer=producer)
     split = head_dim == 256  # two warpgroups on 64 keys, dK / dV split along head_dim
     tile = "n64m64q2" if split else "n128m64q1"
-    assert spec.name == f"varlen_backward_{ptx}_d{head_dim}_wgmma{'_producer' if producer else ''}_{tile}"
+    rung = ("_producer" + ("_r240" if spec.consumer_regs == 240 else "")) if producer else ""
+    assert spec.name == f"varlen_backward_{ptx}_d{head_dim}_wgmma{rung}_{tile}"
     assert spec_from_dict(spec.to_dict()) == spec and spec.smem_bytes() <= 227 * 1024
     kernels = render.render(spec, "ns")["kernels.cu"]
     assert not JINJA_LEFTOVER.search(kernels)

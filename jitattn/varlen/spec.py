@@ -235,6 +235,12 @@ class VarlenSpec(KernelSpec):
                 f"{'_cap' if self.soft_cap else ''}_{tile}")
 
 
+# The register splits of the backward's producer variant: compute warpgroups' registers -> the
+# producer warpgroup's. setmaxnreg only moves registers within the launch's pool, 168 a thread
+# at 384 threads: 128 * producer + 256 * compute <= 64512 (32 / 240 waited forever on the H200).
+CONSUMER_REGS = {224: 56, 240: 24}
+
+
 @register
 @dataclass(frozen=True)
 class VarlenBackwardSpec(KernelSpec):
@@ -274,6 +280,7 @@ class VarlenBackwardSpec(KernelSpec):
     producer: bool = False
     soft_cap: bool = False  # the forward's logit soft cap: dS takes the slope 1 - tanh^2
     dq_kernel: bool = False  # dQ by its own query-major kernel, the main kernel dK / dV only
+    consumer_regs: int = 0  # producer only: the compute warpgroups' registers (setmaxnreg); 0: the tuned split
 
     @classmethod
     def prewarm_variants(cls, fields: dict, archs: tuple[str, ...]) -> list[dict]:
@@ -307,6 +314,14 @@ class VarlenBackwardSpec(KernelSpec):
                              f"wgmma={self.wgmma}, producer={self.producer})")
         if self.wgmma and not self.wgmma_fits(self.head_dim):
             raise ValueError(f"varlen_backward wgmma kernels cover head_dim 64, 128 and 256 (got {self.head_dim})")
+        if self.consumer_regs == 0:
+            object.__setattr__(self, "consumer_regs", self.default_consumer_regs(self.head_dim) if self.producer else 0)
+        if self.producer and self.consumer_regs not in CONSUMER_REGS:
+            raise ValueError(f"varlen_backward consumer_regs is one of {sorted(CONSUMER_REGS)} "
+                             f"(got {self.consumer_regs})")
+        if not self.producer and self.consumer_regs:
+            raise ValueError("varlen_backward consumer_regs splits the registers with the producer warpgroup: "
+                             "set producer=True")
         tile = self.default_tile(self.head_dim, self.wgmma)
         for name, value in zip(("block_n", "block_m", "warps_q"), tile):
             if getattr(self, name) == 0:
@@ -326,6 +341,17 @@ class VarlenBackwardSpec(KernelSpec):
         if (self.block_n // 16 * self.warps_q) % (self.block_m // 16):
             raise ValueError(f"varlen_backward tile: the {self.block_n // 16 * self.warps_q} warps must split "
                              f"into whole groups of block_m / 16 = {self.block_m // 16} (dQ)")
+
+    @staticmethod
+    def default_consumer_regs(head_dim: int) -> int:
+        """The compute warpgroups' registers with the producer warpgroup (CONSUMER_REGS: the
+        producer's are what is left): 224 at every head_dim for now. 240 is the candidate at
+        head_dim 128, not yet timed on a GPU: at 224 ptxas serializes every wgmma there (advisory
+        C7512, a WARPGROUP.DEPBAR after each of the 32 HGMMAs of a step; ncu on the H200: 48% of
+        the compute warps' stall samples sit on those waits, the tensor pipe 48.7% active); at 240
+        it issues them back to back (4 waits a step) and the producer, left 24, spills 92 bytes.
+        Take it here once tools/device_bwd128.sh measures it faster (notes/backward-h200.md)."""
+        return 224
 
     @staticmethod
     def wgmma_fits(head_dim: int) -> bool:
@@ -381,5 +407,7 @@ class VarlenBackwardSpec(KernelSpec):
     def name(self) -> str:
         rung = "_wgmma_producer" if self.producer else "_wgmma" if self.wgmma else ""
         rung += "_dqkernel" if self.dq_kernel else ""
+        if self.producer and self.consumer_regs != 224:
+            rung += f"_r{self.consumer_regs}"
         return (f"varlen_backward_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{rung}{'_cap' if self.soft_cap else ''}"
                 f"_n{self.block_n}m{self.block_m}q{self.warps_q}")

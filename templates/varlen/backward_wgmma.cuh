@@ -34,7 +34,15 @@ constexpr int WARPGROUPS = 2;                  // compute warpgroups
 constexpr int CONSUMERS = WARPGROUPS * 128;
 constexpr int THREADS = CONSUMERS + (PRODUCER ? 128 : 0);
 constexpr int LOADER_WARP = CONSUMERS / 32, WRITER_WARP = LOADER_WARP + 1;  // PRODUCER; warps 10-11 idle
+{# consumer_regs (VarlenBackwardSpec.default_consumer_regs): 240 lets ptxas issue D128's wgmmas back to back. #}
+{% if consumer_regs == 240 %}
+constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;  // ptxas, D128: wgmmas not serialized; the producer spills
+// setmaxnreg moves registers within what the launch gave the CTA (168 a thread at 384 threads):
+// asking for more than that pool waits forever (32 / 240 hung on the H200).
+static_assert(128 * PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= 168 * THREADS, "register pool of the launch");
+{% else %}
 constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;  // ptxas: 4 bytes spilled at D128 (36 at 48 / 232, 288 at 72 / 216)
+{% endif %}
 static_assert(!PRODUCER || 128 * PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= 65536, "register budget");
 // DKV_SPLIT (head_dim 256, WARPS_Q = 2; FlashAttention-3's hdim256 split): 64 keys a CTA, both
 // warpgroups on all of them; each holds dK / dV of its half of the head_dim columns (64 + 64
