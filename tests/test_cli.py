@@ -435,7 +435,7 @@ def test_prewarm_varlen_dry_run_lists_what_calls_on_the_arch_run(capsys, no_buil
     assert [s.tma for s in want] == [True, False, True, False, True, False, True, False]
     assert [registry.spec_from_dict(d) for d in got] == want
     assert "prewarm --dry-run: 8 specializations for 9.0" in out
-    assert "varlen_bf16_d64_prefill_wgmma_m8x1n128s4_tma  [9.0a]" in out and "varlen_bf16_d64_decode_m1x1n64s3  [9.0]" in out
+    assert "varlen_bf16_d64_prefill_wgmma_m12x1n128s4_tma  [9.0a]" in out and "varlen_bf16_d64_decode_m1x1n64s3  [9.0]" in out
 
 
 def test_prewarm_paged_decode_on_hopper_and_another_gpu_lists_both_copies(capsys, no_builds, monkeypatch):

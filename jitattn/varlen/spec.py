@@ -40,7 +40,7 @@ class VarlenSpec(KernelSpec):
     `decode` picks the shape for few query rows per KV head (16 rows, each tile's keys spread over
     4 warps) instead of the prefill one (the rows spread over the warps). `wgmma` (prefill,
     head_dim a multiple of 64, Hopper only: built for sm_90a) runs both GEMMs as warpgroup MMAs
-    from shared memory, two warpgroups of 64 rows each. `soft_cap` adds the logit soft cap
+    from shared memory, two warpgroups of 64 rows each (three at D64 with TMA: default_tile). `soft_cap` adds the logit soft cap
     (Gemma-2's): logits cap * tanh(scale * q.k / cap), cap a runtime argument. The tile fields
     (warps_m, m_tiles, block_n, stages) default to 0, which means the tuned shape for the head_dim
     (`default_tile`); they are resolved on construction, so a spec always names its exact tile."""
@@ -83,6 +83,9 @@ class VarlenSpec(KernelSpec):
         if self.tma and self.decode and (16 * self.block_n % self.head_dim or step not in (1, 2, 4, 8)):
             raise ValueError(f"varlen decode tiles with tma=True copy rows 16 * block_n / head_dim apart per thread, "
                              f"which must divide 8 (got block_n={self.block_n}, head_dim={self.head_dim})")
+        if self.pingpong and self.has_producer and self.warps_m != 8:
+            raise ValueError(f"varlen pingpong=True takes turns between two compute warpgroups (warps_m=8, got "
+                             f"{self.warps_m})")
         if self.split_kv and (self.pingpong or self.overlap):
             raise ValueError("varlen split_kv=True hands K and V back at fixed points of the plain GEMM order; "
                              "it does not combine with pingpong / overlap")
@@ -186,11 +189,16 @@ class VarlenSpec(KernelSpec):
         128 keys x 4 stages, 428-434 / 350-359 TFLOP/s full / causal against the lockstep loop's
         410-414 / 344 in the same job; 64 keys x 3-4: 364-375 / 315-327; 128 x 3: 411-415 /
         346-348; three compute warpgroups (192 rows, 160 registers) x 128 keys x 3: 442 / 339-344
-        (2 stages: 288 / 251) (notes/forward-h200.md). D256 with split_kv: 80 keys x 2 stages
+        (2 stages: 288 / 251) (notes/forward-h200.md). Since taken: three compute warpgroups x 128
+        keys x 4 stages (12 warps, 192 rows; registers 32 / 160), 458.5 / 387.7 against 418.0 /
+        367.7 for two warpgroups in the same job (interleaved rounds, 456-460 / 385-392 against
+        400-432 / 352-371), SDPA 459.8 / 441.1: K/V read once per 192 rows instead of 128. D128
+        with 2 stages of wider tiles (144-192 keys, with or without overlap) lost 21-34%.
+        D256 with split_kv: 80 keys x 2 stages
         (see takes_split_kv), the most 2 stages fit beside Q's 64 KB."""
         if wgmma:
             if head_dim == 64 and tma:
-                return (8, 1, 128, 4)
+                return (12, 1, 128, 4)
             if head_dim == 256 and split_kv:
                 return (8, 1, 80, 2)
             return {64: (8, 1, 64, 3), 128: (8, 1, 128, 3)}.get(head_dim, (8, 1, 48, 3))
