@@ -204,8 +204,8 @@ def test_hopper_prefill_takes_the_wgmma_rung(launches, monkeypatch):
         assert spec == VarlenSpec(d, "bfloat16", paged=False, decode=False, wgmma=True,
                                   tma=VarlenSpec.takes_tma(d, False, False, True), split_kv=d == 256)
         assert spec.tma  # packed keys by TMA where it measured faster: D64 / D128, D256 with split_kv
-        assert (spec.block_n, spec.stages) == {64: (128, 4), 128: (128, 3), 256: (80, 2)}[d]
-        assert run["m_blocks"] == 4096 // spec.block_m and spec.archs_for(("9.0",)) == ("9.0a",)
+        assert (spec.block_m, spec.block_n, spec.stages) == {64: (192, 128, 4), 128: (128, 128, 3), 256: (128, 80, 2)}[d]
+        assert run["m_blocks"] == -(-4096 // spec.block_m) and spec.archs_for(("9.0",)) == ("9.0a",)
 
 
 def test_wgmma_rung_only_where_it_applies(launches, monkeypatch):
