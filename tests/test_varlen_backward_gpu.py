@@ -100,8 +100,8 @@ def _producer_variant(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _consumer_regs_variant(monkeypatch):
-    """JITATTN_TEST_BACKWARD_CONSUMER_REGS=240: every producer backward at head_dim 128 with that
-    register split (VarlenBackwardSpec.consumer_regs), whatever the default."""
+    """JITATTN_TEST_BACKWARD_CONSUMER_REGS=224 (or 240): every producer backward at head_dim 128
+    with that register split (VarlenBackwardSpec.consumer_regs; the default is 240 there)."""
     regs = os.environ.get("JITATTN_TEST_BACKWARD_CONSUMER_REGS")
     if regs is not None:
         import dataclasses

@@ -180,3 +180,21 @@ def test_manifests_list_the_backward_beside_the_forward(manifest):
                 assert producer in backward, (manifest, head_dim, dtype)  # what backward_launch plans
                 lockstep = VarlenBackwardSpec(head_dim, dtype, wgmma=True)
                 assert (lockstep in backward) == (manifest == "gpu-tests.toml"), "the lockstep variant is opt-in"
+
+
+@pytest.mark.parametrize("manifest, capped", [("default.toml", (False,)), ("gpu-tests.toml", (False, True))])
+def test_manifests_list_the_backward_kernels_hopper_calls_run(manifest, capped):
+    """Each backward a call plans on sm_90 (backward_launch.plan: dq_kernel at D256, the register
+    split at D128, the soft cap's variant) is in the manifest, so production's and the GPU tests'
+    JIT-disabled calls find it (the D256 soft-cap dq_kernel was once missing from gpu-tests.toml)."""
+    import torch
+
+    from jitattn.varlen.backward_launch import plan
+
+    listed = {s for s in read_manifest(REPO / "cache" / manifest) if isinstance(s, VarlenBackwardSpec)}
+    for head_dim in (64, 128, 256):
+        for dtype in (torch.float16, torch.bfloat16):
+            for cap in capped:
+                spec = plan(head_dim, dtype, wgmma=True, soft_cap=cap)
+                assert spec.producer and spec.dq_kernel == (head_dim == 256)
+                assert spec in listed, (manifest, spec.name)

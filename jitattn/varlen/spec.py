@@ -353,13 +353,14 @@ class VarlenBackwardSpec(KernelSpec):
     @staticmethod
     def default_consumer_regs(head_dim: int) -> int:
         """The compute warpgroups' registers with the producer warpgroup (CONSUMER_REGS: the
-        producer's are what is left): 224 at every head_dim for now. 240 is the candidate at
-        head_dim 128, not yet timed on a GPU: at 224 ptxas serializes every wgmma there (advisory
-        C7512, a WARPGROUP.DEPBAR after each of the 32 HGMMAs of a step; ncu on the H200: 48% of
-        the compute warps' stall samples sit on those waits, the tensor pipe 48.7% active); at 240
-        it issues them back to back (4 waits a step) and the producer, left 24, spills 92 bytes.
-        Take it here once tools/device_bwd128.sh measures it faster (notes/backward-h200.md)."""
-        return 224
+        producer's are what is left): 240 at head_dim 128, 224 elsewhere. At D128 with 224 ptxas
+        serializes every wgmma (advisory C7512, a WARPGROUP.DEPBAR after each of the 32 HGMMAs of a
+        step; ncu on the H200: 48% of the compute warps' stall samples on those waits); at 240 it
+        issues them back to back (4 waits a step) and the producer, left 24, spills 92 bytes. On
+        the H200 (bf16 8 x 4k, 32 heads, tools/bwd_ab.py, 3 interleaved rounds, same job): 473.8 /
+        432.0 TFLOP/s full / causal against 440.8 / 379.2 at 224 (SDPA 493.1 / 441.4). D64 at 224
+        keeps its wgmmas pipelined (4 waits) and was not timed at 240 (notes/backward-h200.md)."""
+        return 240 if head_dim == 128 else 224
 
     @staticmethod
     def wgmma_fits(head_dim: int) -> bool:
