@@ -82,27 +82,32 @@ __device__ __forceinline__ void load_query_tile(const BwdParams& p, const Work& 
   }
 }
 
-// S^T -> P^T = exp2(S^T * scale_log2 - lse2) in place, for TILES tiles of queries q0 + 8t.
+// A thread's lse2 or delta values (shared memory): queries q0 + 8t + 2c and + 1 of its TILES
+// column tiles, the columns of its S^T / dP^T accumulators.
 template <int TILES>
-__device__ __forceinline__ void scores_to_probs(float (&s)[TILES][4], const float* lse2, float sl2, int q0, int c) {
+__device__ __forceinline__ void load_row_stats(float2 (&v)[TILES], const float* stats, int q0, int c) {
 #pragma unroll
-  for (int t = 0; t < TILES; ++t) {
-    const float2 l = *reinterpret_cast<const float2*>(lse2 + q0 + t * 8 + 2 * c);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[t][e] = fast_exp2(fmaf(s[t][e], sl2, -((e & 1) ? l.y : l.x)));
-  }
+  for (int t = 0; t < TILES; ++t) v[t] = *reinterpret_cast<const float2*>(stats + q0 + t * 8 + 2 * c);
 }
 
-// dP^T -> dS^T = P^T * (dP^T - delta) in place.
+// S^T -> P^T = exp2(S^T * scale_log2 - lse2) in place, for TILES tiles of queries q0 + 8t
+// (l: load_row_stats of lse2).
 template <int TILES>
-__device__ __forceinline__ void probs_to_dscores(const float (&pt)[TILES][4], float (&dp)[TILES][4], const float* delta,
-                                                 int q0, int c) {
+__device__ __forceinline__ void scores_to_probs(float (&s)[TILES][4], const float2 (&l)[TILES], float sl2) {
 #pragma unroll
-  for (int t = 0; t < TILES; ++t) {
-    const float2 d = *reinterpret_cast<const float2*>(delta + q0 + t * 8 + 2 * c);
+  for (int t = 0; t < TILES; ++t)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dp[t][e] = pt[t][e] * (dp[t][e] - ((e & 1) ? d.y : d.x));
-  }
+    for (int e = 0; e < 4; ++e) s[t][e] = fast_exp2(fmaf(s[t][e], sl2, -((e & 1) ? l[t].y : l[t].x)));
+}
+
+// dP^T -> dS^T = P^T * (dP^T - delta) in place (d: load_row_stats of delta).
+template <int TILES>
+__device__ __forceinline__ void probs_to_dscores(const float (&pt)[TILES][4], float (&dp)[TILES][4],
+                                                 const float2 (&d)[TILES]) {
+#pragma unroll
+  for (int t = 0; t < TILES; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dp[t][e] = pt[t][e] * (dp[t][e] - ((e & 1) ? d[t].y : d[t].x));
 }
 
 // With a soft cap, S^T and dP^T -> P^T and dS^T in place in one pass: the logit is
@@ -110,17 +115,15 @@ __device__ __forceinline__ void probs_to_dscores(const float (&pt)[TILES][4], fl
 // later) multiplies dS^T, so tanh is needed at both steps and never stored.
 template <int TILES>
 __device__ __forceinline__ void capped_scores_to_dscores(float (&s)[TILES][4], float (&dp)[TILES][4],
-                                                         const float* lse2, const float* delta, float sl2,
-                                                         float cap_scale, int q0, int c) {
+                                                         const float2 (&l)[TILES], const float2 (&d)[TILES],
+                                                         float sl2, float cap_scale) {
 #pragma unroll
   for (int t = 0; t < TILES; ++t) {
-    const float2 l = *reinterpret_cast<const float2*>(lse2 + q0 + t * 8 + 2 * c);
-    const float2 d = *reinterpret_cast<const float2*>(delta + q0 + t * 8 + 2 * c);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float th = tanh_from_exp2(s[t][e] * cap_scale);
-      s[t][e] = fast_exp2(fmaf(th, sl2, -((e & 1) ? l.y : l.x)));
-      dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? d.y : d.x)) * fmaf(-th, th, 1.f);
+      s[t][e] = fast_exp2(fmaf(th, sl2, -((e & 1) ? l[t].y : l[t].x)));
+      dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? d[t].y : d[t].x)) * fmaf(-th, th, 1.f);
     }
   }
 }

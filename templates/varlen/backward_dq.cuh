@@ -198,7 +198,8 @@ __global__ void __launch_bounds__(DQ_THREADS, 1) varlen_bwd_dq(const __grid_cons
 
   DqWork w;
   if (!dq_work(p, args.num_m_blocks, w)) return;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, wg = warp / 4;
+  // warp through a shuffle, warp-uniform to the compiler: descriptors in uniform registers (as in varlen_bwd).
+  const int tid = threadIdx.x, lane = tid % 32, warp = __shfl_sync(0xffffffffu, tid / 32, 0), wg = warp / 4;
   const int g = lane / 4, c = lane % 4;
   const int tiles = w.n_end - w.n_begin;
 

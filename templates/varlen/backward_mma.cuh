@@ -135,11 +135,16 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const BwdParams p) {
     }
 
     // P^T and dS^T (in place of S^T and dP^T); masked only on boundary tiles.
-    if constexpr (SOFT_CAP) {
-      capped_scores_to_dscores(s, dp, lse2, delta, sl2, p.cap_scale, q0, c);
-    } else {
-      scores_to_probs(s, lse2, sl2, q0, c);
-      probs_to_dscores(s, dp, delta, q0, c);
+    {
+      float2 l[Q_TILES], d[Q_TILES];
+      load_row_stats(l, lse2, q0, c);
+      load_row_stats(d, delta, q0, c);
+      if constexpr (SOFT_CAP) {
+        capped_scores_to_dscores(s, dp, l, d, sl2, p.cap_scale);
+      } else {
+        scores_to_probs(s, l, sl2);
+        probs_to_dscores(s, dp, d);
+      }
     }
     if (tile.masked) mask_hidden(p, w, m, key0, q0, g, c, s, dp);
 

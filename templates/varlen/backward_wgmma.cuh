@@ -174,7 +174,10 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
 
   Work w;
   if (!decode_work(p, w)) return;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, wg = warp / 4;
+  // warp through a shuffle: warp-uniform as far as the compiler can tell (FlashAttention-3's
+  // canonical_warp_idx), so the warpgroup's wgmma descriptors live in uniform registers instead
+  // of a 64-bit add and two R2UR moves per wgmma.
+  const int tid = threadIdx.x, lane = tid % 32, warp = __shfl_sync(0xffffffffu, tid / 32, 0), wg = warp / 4;
   const int g = lane / 4, c = lane % 4;
   const int wg_key0 = DKV_SPLIT ? 0 : wg * WG_KEYS;  // this warpgroup's first key (the MMA's M)
   const int key0 = wg_key0 + (warp % 4) * 16;       // this warp's 16 accumulator rows (keys)
@@ -344,18 +347,26 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     wgmma_commit();
     auto& s4 = reinterpret_cast<float(&)[Q_TILES][4]>(s);
     auto& dp4 = reinterpret_cast<float(&)[Q_TILES][4]>(dp);
+    float2 l[Q_TILES], d[Q_TILES];
     if constexpr (SOFT_CAP) {  // dS^T needs tanh of S^T too: both at once, after both GEMMs
       wgmma_wait<0>();
       wgmma_pin(s);
       wgmma_pin(dp);
-      capped_scores_to_dscores(s4, dp4, lse2, delta, sl2, p.cap_scale, q0, c);
+      load_row_stats(l, lse2, q0, c);
+      load_row_stats(d, delta, q0, c);
+      capped_scores_to_dscores(s4, dp4, l, d, sl2, p.cap_scale);
     } else {
+      // lse2 / delta read after the waits. lse2 read before them (under the GEMMs, 16 more
+      // registers live across the wait) measured slower on the H200: bf16 8 x 4k, full / causal
+      // D64 -3% / -2%, D128 -1% (notes/backward-h200.md).
       wgmma_wait<1>();
       wgmma_pin(s);
-      scores_to_probs(s4, lse2, sl2, q0, c);
+      load_row_stats(l, lse2, q0, c);
+      scores_to_probs(s4, l, sl2);
       wgmma_wait<0>();
       wgmma_pin(dp);
-      probs_to_dscores(s4, dp4, delta, q0, c);
+      load_row_stats(d, delta, q0, c);
+      probs_to_dscores(s4, dp4, d);
     }
     if (tile.masked) mask_hidden(p, w, m, key0, q0, g, c, s4, dp4);
 
