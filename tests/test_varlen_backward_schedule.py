@@ -44,23 +44,26 @@ def harness(tmp_path_factory):
     return built
 
 
-def run_schedule(binary, cfg):
+def run_schedule(binary, cfg, want_written=False):
+    """The harness's CTAs (and with want_written, key_written of every key token)."""
     words = [cfg["num_seqs"], cfg["h_kv"], cfg["pack"], cfg["total_q"], cfg["total_k"], cfg["n_blocks"],
              cfg["left"], cfg["right"], int(cfg.get("deterministic", True)), int(cfg["used"] is not None),
              *cfg["cu_q"], *cfg["cu_k"],
              *(cfg["used"] or [])]
     text = subprocess.run([str(binary)], input=" ".join(map(str, words)), capture_output=True, text=True,
                           check=True).stdout
-    blocks = []
+    blocks, written = [], []
     for line in text.splitlines():
         kind, *vals = line.split()
         vals = [int(v) for v in vals]
-        if kind == "B":
+        if kind == "W":
+            written.append(bool(vals[1]))
+        elif kind == "B":
             blocks.append({"block": vals[0], "seq": vals[1], "kv": vals[2], "n": vals[3], "m_begin": vals[4],
                            "m_end": vals[5], "tiles": {}})
         else:
             blocks[-1]["tiles"][vals[0]] = {"masked": bool(vals[1]), "turn": vals[2], "sem": vals[3]}
-    return blocks
+    return blocks if not want_written else (blocks, written)
 
 
 def random_batch(rng: random.Random, block_n: int, long: bool = False):
@@ -198,3 +201,35 @@ def test_schedule_runs_heaviest_first(harness):
     for seq in range(len(lens)):
         mine = [b["m_end"] - b["m_begin"] for b in blocks if b["seq"] == seq and b["kv"] == 0]
         assert mine == sorted(mine, reverse=True)
+
+
+def written_by_ctas(blocks, cfg, block_n):
+    """Key tokens whose dK / dV rows some CTA writes (store_dk_dv: its tile's keys below k_len)."""
+    out = [False] * cfg["total_k"]
+    for b in blocks:
+        k_start = cfg["cu_k"][b["seq"]]
+        k_len = cfg["used"][b["seq"]] if cfg["used"] is not None else cfg["cu_k"][b["seq"] + 1] - k_start
+        k_len = max(0, min(k_len, cfg["total_k"] - k_start))
+        for token in range(k_start + b["n"] * block_n, k_start + min((b["n"] + 1) * block_n, k_len)):
+            out[token] = True
+    return out
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"n{t[0]}m{t[1]}")
+def test_key_written_is_exactly_what_the_ctas_write(harness, tile):
+    """The preprocess zeroes the dK / dV rows of the key tokens key_written says no CTA writes (dk
+    and dv come from torch.empty): it must name exactly the tokens outside every CTA's tile rows,
+    over random batches with seqused_k, slack slots, tail tokens and a too-small max_k."""
+    block_n, block_m = tile
+    unwritten = 0
+    for seed in range(40):
+        rng = random.Random(5000 + seed * 31 + block_n)
+        cfg = random_batch(rng, block_n, long=seed % 8 == 0)
+        if seed % 5 == 4:
+            cfg["n_blocks"] = max(1, cfg["n_blocks"] - 2)
+        cfg["deterministic"] = False
+        blocks, written = run_schedule(harness[tile], cfg, want_written=True)
+        assert len(written) == cfg["total_k"]
+        assert written == written_by_ctas(blocks, cfg, block_n), f"seed {seed}: {cfg}"
+        unwritten += written.count(False)
+    assert unwritten > 0, "no batch left a key token to zero: the check above tested nothing"

@@ -5,9 +5,10 @@ current stream, so a forward + backward captures into one CUDA graph.
 
 Workspace (allocated by the binding): the fp32 dQ accumulator plus lse and delta per row,
 (T_q * H_q) * (D + 2) * 4 bytes, and in deterministic mode H_kv * (T_q * H_q / H_kv / 64 + N + 1)
-ints; outputs dq, dk, dv in the inputs' dtype (dk / dv zero-filled first: keys outside every
-sequence or past seqused_k get zero gradient). With dq_kernel (D256 on sm_90: DQ_KERNEL_HEAD_DIMS)
-the kernels are preprocess, the dK / dV kernel and the dQ kernel, which writes dq in q's dtype:
+ints; outputs dq, dk, dv in the inputs' dtype, every row written by the kernels (the preprocess
+zeroes the key rows outside every sequence or past seqused_k: no zero fill first). With dq_kernel
+(D256 on sm_90: DQ_KERNEL_HEAD_DIMS) the kernels are preprocess, the dK / dV kernel and the dQ
+kernel, which writes dq in q's dtype:
 the workspace is lse and delta only, (T_q * H_q) * 2 * 4 bytes, no counters in either mode.
 """
 from __future__ import annotations
@@ -108,10 +109,11 @@ def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tens
         grad_lse = None
     run, spec = _kernel(head_dim, query.dtype, wgmma_allowed(query.device), softcap > 0)
 
-    dq = torch.empty_like(query)
-    dk = torch.zeros_like(key)
-    dv = torch.zeros_like(value)
-    targets = [t if _writable(t) else torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (dq, dk, dv)]
+    # The kernels write every row of dq, dk and dv (the preprocess zeroes the key rows no CTA
+    # reaches: outside every sequence, past seqused_k); with no queries nothing runs.
+    fill = torch.empty_like if total_q > 0 else torch.zeros_like
+    dq, dk, dv = fill(query), fill(key), fill(value)
+    targets = [t if _writable(t) else fill(t, memory_format=torch.contiguous_format) for t in (dq, dk, dv)]
     q, k, v = check.vectors_ready(query, key, value)
     grad_out, out = check.vector_ready(grad_out), check.vector_ready(out)
     lse = lse.float()

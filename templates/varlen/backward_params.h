@@ -12,7 +12,7 @@ struct BwdParams {
   const float* lse;           // (H_q, T_q) natural log, as the forward returned it
   const float* dlse;          // gradient of lse (H_q, T_q), or nullptr
   void* dq;                   // (T_q, H_q, D), dtype of q
-  void* dk;                   // (T_k, H_kv, D); rows no CTA writes must be zero already
+  void* dk;                   // (T_k, H_kv, D); rows no CTA writes get zeros from the preprocess
   void* dv;
   float* dq_accum;            // workspace (H_kv, dq_rows, D) fp32: zeroed by the preprocess
   float* lse2;                // workspace (H_kv, dq_rows): lse in log2 units, +inf for lse = -inf

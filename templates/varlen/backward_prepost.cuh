@@ -13,12 +13,38 @@ __device__ __forceinline__ int64_t packed_row(const BwdParams& p, int token, int
   return int64_t(kv_head) * p.dq_rows + int64_t(token) * p.pack + (head - kv_head * p.pack);
 }
 
+// The CTAs of the preprocess past pre_row_ctas zero the dK / dV rows of the key tokens no CTA of
+// the main kernel writes (key_written), a warp per token: dk / dv come from torch.empty.
+constexpr int ZERO_TOKENS = PRE_THREADS / 32;  // key tokens per CTA
+__host__ __device__ inline int64_t pre_row_ctas(const BwdParams& p) {
+  return (int64_t(p.total_q) * p.num_heads_q + PRE_ROWS - 1) / PRE_ROWS;
+}
+inline int64_t pre_ctas(const BwdParams& p) {
+  return pre_row_ctas(p) + (int64_t(p.total_k) + ZERO_TOKENS - 1) / ZERO_TOKENS;
+}
+
+__device__ __forceinline__ void zero_unwritten_keys(const BwdParams& p, int64_t cta) {
+  const int token = static_cast<int>(cta * ZERO_TOKENS + threadIdx.x / 32), lane = threadIdx.x % 32;
+  if (token >= p.total_k || key_written(p, token)) return;
+  const float zeros[8] = {};
+  for (int i = lane; i < p.num_heads_kv * CHUNKS; i += 32) {
+    const int head = i / CHUNKS, chunk = i - head * CHUNKS;
+    store_floats<T, 8>(static_cast<T*>(p.dk) + token * p.dk_stride_token + head * p.dk_stride_head + chunk * 8, zeros);
+    store_floats<T, 8>(static_cast<T*>(p.dv) + token * p.dv_stride_token + head * p.dv_stride_head + chunk * 8, zeros);
+  }
+}
+
 // delta = rowsum(dO * O) - dlse, lse2 = lse * log2(e) (+inf where lse = -inf: P = 0 there),
 // and the row's dQ accumulator zeroed. Every (token, head) of the tensors, in or out of a
 // sequence (rows outside every sequence are never read by the main kernel, and their dQ
-// comes out zero).
+// comes out zero). The CTAs after those rows' zero dK / dV rows (zero_unwritten_keys).
 __global__ void __launch_bounds__(PRE_THREADS) varlen_bwd_pre(const BwdParams p) {
   allow_dependent_launch();  // the main kernel waits for this grid before reading its results
+  const int64_t row_ctas = pre_row_ctas(p);
+  if (blockIdx.x >= row_ctas) {
+    zero_unwritten_keys(p, blockIdx.x - row_ctas);
+    return;
+  }
   const int row = blockIdx.x * PRE_ROWS + threadIdx.x / PRE_LANES;
   const int part = threadIdx.x % PRE_LANES;
   const bool valid = row < p.total_q * p.num_heads_q;

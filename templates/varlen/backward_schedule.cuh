@@ -78,6 +78,26 @@ __device__ __forceinline__ bool decode_work(const BwdParams& p, Work& w) {
   return true;
 }
 
+// Whether a CTA of the main kernel writes key token `token`'s dK / dV (every KV head): the token
+// lies in its sequence's first k_len keys (seqused_k, clamped as decode_work clamps it), at or
+// above the lowest key tile that has a CTA. The preprocess zeroes the rows of every other token
+// (before the first sequence, past the last, past seqused_k), so dk / dv need no zero fill.
+__device__ __forceinline__ bool key_written(const BwdParams& p, int token) {
+  const int* cu = p.cu_seq_k;
+  if (p.num_seqs <= 0 || token < cu[0] || token >= cu[p.num_seqs]) return false;
+  int s = 0, hi = p.num_seqs - 1;  // the last sequence starting at or before the token
+  while (s < hi) {
+    const int mid = (s + hi + 1) / 2;
+    if (cu[mid] <= token) s = mid;
+    else hi = mid - 1;
+  }
+  const int k_start = cu[s];
+  if (k_start < 0) return false;
+  const int k_len = max(0, min(p.seqused_k ? p.seqused_k[s] : cu[s + 1] - k_start, p.total_k - k_start));
+  const int t_first = max(0, (k_len + BLOCK_N - 1) / BLOCK_N - p.num_n_blocks);
+  return token >= k_start + t_first * BLOCK_N && token < k_start + k_len;
+}
+
 // What query tile m of work w needs: whether any (row, key) pair of the block is hidden (only
 // such boundary blocks are masked element by element), and, for the deterministic dQ order,
 // its turn: how many key tiles add to the query tile before this one (the active tiles below

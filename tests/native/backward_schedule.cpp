@@ -8,6 +8,7 @@
 //        has_seqused).
 // stdout, per CTA that has work:   B block seq kv_head n_block m_begin m_end
 //         per query tile it walks: M m masked turn semaphore_index (-1: not deterministic)
+//         then per key token:        W token written (key_written: 1 if a CTA writes its dK / dV)
 #include <algorithm>
 #include <cstdint>
 #include <iostream>
@@ -54,5 +55,6 @@ int main() {
       std::cout << "M " << m << ' ' << int(t.masked) << ' ' << t.turn << ' ' << (sem ? sem - &base : -1) << '\n';
     }
   }
+  for (int token = 0; token < p.total_k; ++token) std::cout << "W " << token << ' ' << int(key_written(p, token)) << '\n';
   return 0;
 }
