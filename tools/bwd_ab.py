@@ -64,6 +64,18 @@ def variant(fields: dict, dims):
         launch._kernels.update(saved_kernels)
 
 
+def training_sets(count, batch, seq, heads, head_dim):
+    """`count` input sets of a training step, each ([q, k, v] packed (T, H, D) leaves, dout, the
+    same q / k / v as SDPA's (B, H, S, D) leaves, SDPA's dout), bf16."""
+    sets = []
+    for _ in range(count):
+        qkv = [torch.randn(batch * seq, heads, head_dim, device="cuda", dtype=BF16).requires_grad_() for _ in range(3)]
+        do = torch.randn(batch * seq, heads, head_dim, device="cuda", dtype=BF16)
+        sdpa = [t.detach().view(batch, seq, heads, head_dim).transpose(1, 2).contiguous().requires_grad_() for t in qkv]
+        sets.append((qkv, do, sdpa, do.view(batch, seq, heads, head_dim).transpose(1, 2).contiguous()))
+    return sets
+
+
 def check(name, fields, head_dim, gen):
     """Max error of dq / dk / dv against float64, relative to each reference's largest entry
     (GQA 8 / 2 heads, varlen lengths, full, causal and a sliding window); NaN fails."""
@@ -114,13 +126,8 @@ def main():
             for name, fields in variants:
                 failed |= not check(name, fields, head_dim, gen)
         tokens = batch * seq
-        sets = []
-        for _ in range(1 if args.once else sets_needed(5 * tokens * heads * head_dim * 2)):
-            qkv = [torch.randn(tokens, heads, head_dim, device="cuda", dtype=BF16).requires_grad_() for _ in range(3)]
-            do = torch.randn(tokens, heads, head_dim, device="cuda", dtype=BF16)
-            sdpa = [t.detach().view(batch, seq, heads, head_dim).transpose(1, 2).contiguous().requires_grad_()
-                    for t in qkv]
-            sets.append((qkv, do, sdpa, do.view(batch, seq, heads, head_dim).transpose(1, 2).contiguous()))
+        sets = training_sets(1 if args.once else sets_needed(5 * tokens * heads * head_dim * 2), batch, seq, heads,
+                             head_dim)
         for causal in (False, True):
             window = (-1, 0) if causal else (-1, -1)
             flops = 2.5 * batch * 4 * seq * seq * head_dim * heads * (0.5 if causal else 1.0)

@@ -25,9 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 import jitattn  # noqa: E402
 from bench_varlen import torch_varlen, torch_window_kwargs  # noqa: E402
-
-BF16 = torch.bfloat16
-
+from bwd_ab import training_sets  # noqa: E402
 
 def kernels_of(step) -> list[tuple[str, float, float]]:
     """(name, start us, end us) of every GPU kernel / memset / memcpy one call of `step` ran."""
@@ -78,14 +76,7 @@ def main():
     batch, seq, heads = 8, 4096, 32
     cu_seq = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * seq
     for head_dim in args.dims:
-        tokens = batch * seq
-        sets = []
-        for _ in range(args.steps + 1):
-            qkv = [torch.randn(tokens, heads, head_dim, device="cuda", dtype=BF16).requires_grad_() for _ in range(3)]
-            do = torch.randn(tokens, heads, head_dim, device="cuda", dtype=BF16)
-            sdpa = [t.detach().view(batch, seq, heads, head_dim).transpose(1, 2).contiguous().requires_grad_()
-                    for t in qkv]
-            sets.append((qkv, do, sdpa, do.view(batch, seq, heads, head_dim).transpose(1, 2).contiguous()))
+        sets = training_sets(args.steps + 1, batch, seq, heads, head_dim)
         for causal in (False, True):
             window = (-1, 0) if causal else (-1, -1)
             callers = {"jitattn": lambda s: jitattn.varlen_attn(*s[0], cu_seq, cu_seq, seq, seq, window_size=window)}
