@@ -2,7 +2,7 @@
 (the H200's clocks drift between rounds; bench_util.interleaved_us), each checked against the
 float64 reference first, with torch's varlen_attn and SDPA in the same rounds.
 
-bf16, 8 x 4096 tokens, D64 x 32 heads / D128 x 32, causal and full; backward = (forward +
+bf16, 8 x 4096 tokens (--shape), D64 x 32 heads / D128 x 32, causal and full; backward = (forward +
 backward) - forward, CUDA events, cold L2 (rotated input sets), median of `--reps` calls a round;
 TFLOP/s with backward FLOPs = 2.5x forward (causal half), as tools/bench_varlen.py counts them.
 
@@ -114,9 +114,10 @@ def main():
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--once", action="store_true", help="one forward + backward per variant and mask (for ncu)")
+    ap.add_argument("--shape", default="8x4096", help="sequences x tokens each (same FLOPs: 2x16384, 1x32768)")
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variant] or [("default", {})]
-    batch, seq = 8, 4096
+    batch, seq = (int(x) for x in args.shape.split("x"))
     cu_seq = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * seq
     gen = torch.Generator().manual_seed(20)
     failed = False
@@ -177,7 +178,7 @@ def main():
             for _ in range(args.rounds):
                 for name, timer in timers.items():
                     times[name].append(timer())
-            print(f"\nD{head_dim} x {heads} heads, {'causal' if causal else 'full'}: backward us (median, min..max "
+            print(f"\n{batch} x {seq}, D{head_dim} x {heads} heads, {'causal' if causal else 'full'}: backward us (median, min..max "
                   f"of {args.rounds} rounds), TFLOP/s of the median")
             fwd_of = {"torch varlen": "torch varlen forward", "SDPA": "SDPA forward"}
             for name in timers:
