@@ -122,9 +122,7 @@ __device__ __forceinline__ bool dq_work(const BwdParams& p, int num_m_blocks, Dq
   w.q_len = w.q_start < 0 ? 0 : max(0, min(p.cu_seq_q[w.seq + 1], p.total_q) - w.q_start);
   w.rows = w.q_len * p.pack;
   w.k_start = p.cu_seq_k[w.seq];
-  int k_len = p.seqused_k ? p.seqused_k[w.seq] : p.cu_seq_k[w.seq + 1] - w.k_start;
-  k_len = w.k_start < 0 ? 0 : min(k_len, p.total_k - w.k_start);
-  w.k_len = max(0, k_len);
+  w.k_len = key_len(p, w.seq);
   const int m_tiles = (w.rows + DQ_ROWS - 1) / DQ_ROWS;
   w.m = m_tiles - 1 - j;
   if (w.m < 0) return false;

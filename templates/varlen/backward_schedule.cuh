@@ -37,6 +37,19 @@ struct Work {
 
 constexpr int N_BAND = 2048 / BLOCK_N > 1 ? 2048 / BLOCK_N : 1;
 
+// Keys of sequence `seq` the backward sees: seqused_k or the sequence's slots, clamped to the
+// tensors (malformed metadata never indexes outside them).
+__device__ __forceinline__ int key_len(const BwdParams& p, int seq) {
+  const int k_start = p.cu_seq_k[seq];
+  const int k_len = p.seqused_k ? p.seqused_k[seq] : p.cu_seq_k[seq + 1] - k_start;
+  return k_start < 0 ? 0 : max(0, min(k_len, p.total_k - k_start));
+}
+
+// The lowest key tile of a sequence with n_tiles that has a CTA: 0 unless max_k is too small.
+__device__ __forceinline__ int first_launched_tile(int n_tiles, const BwdParams& p) {
+  return max(0, n_tiles - p.num_n_blocks);
+}
+
 __device__ __forceinline__ bool decode_work(const BwdParams& p, Work& w) {
   const int per_j = p.num_seqs * p.num_heads_kv;
   const int J = p.num_n_blocks;
@@ -54,14 +67,12 @@ __device__ __forceinline__ bool decode_work(const BwdParams& p, Work& w) {
   w.q_len = w.q_start < 0 ? 0 : max(0, min(p.cu_seq_q[w.seq + 1], p.total_q) - w.q_start);
   w.rows = w.q_len * p.pack;
   w.k_start = p.cu_seq_k[w.seq];
-  int k_len = p.seqused_k ? p.seqused_k[w.seq] : p.cu_seq_k[w.seq + 1] - w.k_start;
-  k_len = w.k_start < 0 ? 0 : min(k_len, p.total_k - w.k_start);
-  w.k_len = max(0, k_len);
+  w.k_len = key_len(p, w.seq);
   const int n_tiles = (w.k_len + BLOCK_N - 1) / BLOCK_N;
   w.n_tiles = n_tiles;
   w.n_block = n_tiles - 1 - j;
   if (w.n_block < 0) return false;
-  w.t_first = max(0, n_tiles - J);  // tiles below it have no CTA (only when max_k is too small)
+  w.t_first = first_launched_tile(n_tiles, p);
   w.n0 = w.n_block * BLOCK_N;
   // Query rows that see a key of [n0, n1): [r_min, r_max].
   const int64_t n1 = min(w.n0 + BLOCK_N, w.k_len);
@@ -79,9 +90,9 @@ __device__ __forceinline__ bool decode_work(const BwdParams& p, Work& w) {
 }
 
 // Whether a CTA of the main kernel writes key token `token`'s dK / dV (every KV head): the token
-// lies in its sequence's first k_len keys (seqused_k, clamped as decode_work clamps it), at or
-// above the lowest key tile that has a CTA. The preprocess zeroes the rows of every other token
-// (before the first sequence, past the last, past seqused_k), so dk / dv need no zero fill.
+// lies in its sequence's first key_len keys, at or above the lowest key tile that has a CTA. The
+// preprocess zeroes the rows of every other token (before the first sequence, past the last, past
+// seqused_k), so dk / dv need no zero fill.
 __device__ __forceinline__ bool key_written(const BwdParams& p, int token) {
   const int* cu = p.cu_seq_k;
   if (p.num_seqs <= 0 || token < cu[0] || token >= cu[p.num_seqs]) return false;
@@ -91,10 +102,8 @@ __device__ __forceinline__ bool key_written(const BwdParams& p, int token) {
     if (cu[mid] <= token) s = mid;
     else hi = mid - 1;
   }
-  const int k_start = cu[s];
-  if (k_start < 0) return false;
-  const int k_len = max(0, min(p.seqused_k ? p.seqused_k[s] : cu[s + 1] - k_start, p.total_k - k_start));
-  const int t_first = max(0, (k_len + BLOCK_N - 1) / BLOCK_N - p.num_n_blocks);
+  const int k_start = cu[s], k_len = key_len(p, s);
+  const int t_first = first_launched_tile((k_len + BLOCK_N - 1) / BLOCK_N, p);
   return token >= k_start + t_first * BLOCK_N && token < k_start + k_len;
 }
 
