@@ -8,7 +8,9 @@ whole grids of random batches. Checked against brute force over every (query row
 - the deterministic dQ order: a CTA's turn (= the key tiles that add to the same query tile
   before it: the lower ones, or with a right window edge the higher ones), a CTA never waits on
   one with a higher block index, counters distinct per (KV head, sequence, tile);
-- heaviest first (default mode): CTAs with the most query tiles come first.
+- heaviest first (default mode): CTAs with the most query tiles come first;
+- visible_rows (the interval of packed rows that see a key, which the kernels' boundary-tile
+  mask compares against): exactly the rows the brute-force visibility gives.
 """
 import math
 import random
@@ -60,7 +62,9 @@ def run_schedule(binary, cfg, want_written=False):
             written.append(bool(vals[1]))
         elif kind == "B":
             blocks.append({"block": vals[0], "seq": vals[1], "kv": vals[2], "n": vals[3], "m_begin": vals[4],
-                           "m_end": vals[5], "tiles": {}})
+                           "m_end": vals[5], "tiles": {}, "keys": {}})
+        elif kind == "K":
+            blocks[-1]["keys"][vals[0]] = (vals[1], vals[2])
         else:
             blocks[-1]["tiles"][vals[0]] = {"masked": bool(vals[1]), "turn": vals[2], "sem": vals[3]}
     return blocks if not want_written else (blocks, written)
@@ -201,6 +205,37 @@ def test_schedule_runs_heaviest_first(harness):
     for seq in range(len(lens)):
         mine = [b["m_end"] - b["m_begin"] for b in blocks if b["seq"] == seq and b["kv"] == 0]
         assert mine == sorted(mine, reverse=True)
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"n{t[0]}m{t[1]}")
+def test_visible_rows_of_a_key_are_exactly_the_rows_that_see_it(harness, tile):
+    """visible_rows, the mask of the boundary tiles: for every key of every CTA (KV head 0) the
+    span [first, last] of packed rows is exactly the rows whose query sees the key (GQA packs
+    of 1..8, every window kind, keys past the sequence: none), empty as first > last."""
+    block_n, _ = tile
+    checked = empty = 0
+    for seed in range(40):
+        rng = random.Random(7000 + seed * 13 + block_n)
+        cfg = random_batch(rng, block_n, long=seed % 8 == 0)
+        cfg["deterministic"] = False
+        pack = cfg["pack"]
+        for b in run_schedule(harness[tile], cfg):
+            if b["kv"] != 0:
+                continue
+            seq = b["seq"]
+            lq, lk = cfg["len_q"][seq], cfg["len_k"][seq]
+            vis = visibility(lq, lk, cfg["left"], cfg["right"])
+            assert sorted(b["keys"]) == list(range(b["n"] * block_n, (b["n"] + 1) * block_n))
+            for key, (first, last) in b["keys"].items():
+                rows = [pr for pr in range(lq * pack) if key < lk and bool(vis[pr // pack, key])]
+                what = f"seed {seed} {cfg['kind']} ({cfg['left']}, {cfg['right']}) pack {pack} lq {lq} lk {lk} key {key}"
+                if rows:
+                    assert (first, last) == (rows[0], rows[-1]) and len(rows) == last - first + 1, what
+                else:
+                    assert first > last and 0 <= first <= lq * pack and -1 <= last < lq * pack, what
+                    empty += 1
+                checked += 1
+    assert checked > 1000 and empty > 0, f"too little checked: {checked} keys, {empty} seen by no row"
 
 
 def written_by_ctas(blocks, cfg, block_n):

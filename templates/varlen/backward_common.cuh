@@ -129,24 +129,26 @@ __device__ __forceinline__ void capped_scores_to_dscores(float (&s)[TILES][4], f
 }
 
 // Zero P^T and dS^T where the (key, query) pair is hidden: past the sequence's rows or keys, or
-// outside the window. Only boundary tiles run it.
+// outside the window. Only boundary tiles run it. Each of the thread's two keys sees one
+// interval of packed rows (visible_rows), so an element costs two compares against its
+// compile-time column offset, instead of a division by pack for each of the thread's query columns.
 template <int TILES>
 __device__ __forceinline__ void mask_hidden(const BwdParams& p, const Work& w, int m, int key0, int q0, int g, int c,
                                             float (&pt)[TILES][4], float (&ds)[TILES][4]) {
-  const int off = w.k_len - w.q_len;
+  const int base = m * BLOCK_M + q0 + 2 * c;  // element (t, e)'s packed row: base + 8 t + (e & 1)
+  int lo[2], hi[2];                           // visible rows of keys g and g + 8, less base
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const RowSpan v = visible_rows(p, w, w.n0 + key0 + g + 8 * h);
+    lo[h] = static_cast<int>(v.first - base);
+    hi[h] = static_cast<int>(v.last - base);
+  }
 #pragma unroll
   for (int t = 0; t < TILES; ++t)
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int pr = m * BLOCK_M + q0 + t * 8 + 2 * c + half;
-      const int r = pr / p.pack;
-      const int lo = p.window_left >= 0 ? r + off - p.window_left : INT_MIN;
-      const int hi = p.window_right >= 0 ? min(w.k_len, r + off + p.window_right + 1) : w.k_len;
-#pragma unroll
-      for (int e = half; e < 4; e += 2) {
-        const int key = w.n0 + key0 + g + (e >= 2 ? 8 : 0);
-        if (pr >= w.rows || key < lo || key >= hi) pt[t][e] = ds[t][e] = 0.f;
-      }
+    for (int e = 0; e < 4; ++e) {
+      const int d = 8 * t + (e & 1);
+      if (d < lo[e / 2] || d > hi[e / 2]) pt[t][e] = ds[t][e] = 0.f;
     }
 }
 

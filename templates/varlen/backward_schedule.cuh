@@ -133,6 +133,23 @@ __device__ __forceinline__ QueryTile query_tile(const BwdParams& p, const Work& 
   return t;
 }
 
+// The packed query rows of work w that see key `key` (a key of its sequence, from 0): key in
+// [r + off - left, r + off + right] with r = row / pack, so row in [(key - off - right) * pack,
+// (key - off + left + 1) * pack - 1], within [0, rows) and none past the keys (first > last:
+// none; first in [0, rows], last in [-1, rows - 1]).
+struct RowSpan {
+  int64_t first, last;
+};
+
+__device__ __forceinline__ RowSpan visible_rows(const BwdParams& p, const Work& w, int64_t key) {
+  const int64_t off = int64_t(w.k_len) - w.q_len;
+  RowSpan v;
+  v.first = p.window_right >= 0 ? min(int64_t(w.rows), max(int64_t(0), (key - off - p.window_right) * p.pack)) : 0;
+  const int64_t last = p.window_left >= 0 ? (key - off + p.window_left + 1) * p.pack - 1 : int64_t(w.rows) - 1;
+  v.last = key < w.k_len ? max(int64_t(-1), min(last, int64_t(w.rows) - 1)) : -1;
+  return v;
+}
+
 // Deterministic dQ: CTAs add a query tile's dQ in ascending key-tile order. Each (KV head,
 // query tile) has a counter of the key tiles that added; a CTA waits until it equals the
 // number of tiles before its own, adds, then counts itself. Query tile m of sequence s is

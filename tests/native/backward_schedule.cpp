@@ -8,6 +8,7 @@
 //        has_seqused).
 // stdout, per CTA that has work:   B block seq kv_head n_block m_begin m_end
 //         per query tile it walks: M m masked turn semaphore_index (-1: not deterministic)
+//         per key of its tile (kv_head 0): K key first last (visible_rows; keys from the sequence's 0)
 //         then per key token:        W token written (key_written: 1 if a CTA writes its dK / dV)
 #include <algorithm>
 #include <cstdint>
@@ -53,6 +54,10 @@ int main() {
       const QueryTile t = query_tile(p, w, m);
       const int* sem = p.semaphores ? dq_semaphore(p, w, m) : nullptr;
       std::cout << "M " << m << ' ' << int(t.masked) << ' ' << t.turn << ' ' << (sem ? sem - &base : -1) << '\n';
+    }
+    for (int key = w.n0; w.kv_head == 0 && key < w.n0 + BLOCK_N; ++key) {
+      const RowSpan v = visible_rows(p, w, key);
+      std::cout << "K " << key << ' ' << v.first << ' ' << v.last << '\n';
     }
   }
   for (int token = 0; token < p.total_k; ++token) std::cout << "W " << token << ' ' << int(key_written(p, token)) << '\n';
