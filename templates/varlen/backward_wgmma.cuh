@@ -203,7 +203,9 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
       }
     }
   }
-  load_kv<Tiles, THREADS>(p, w, k_smem, v_smem, tid);
+  // With PRODUCER the compute warps copy K and V, and the loader starts on the first query
+  // tiles at once instead of after K and V landed (their two memory latencies then overlap).
+  if (!PRODUCER || warp < LOADER_WARP) load_kv<Tiles, PRODUCER ? CONSUMERS : THREADS>(p, w, k_smem, v_smem, tid);
 {% if dq_kernel %}
   wait_for_prerequisite_grid();  // the preprocess wrote lse2 / delta
 {% else %}
@@ -214,9 +216,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   }
   cp_async_commit();
   if constexpr (PRODUCER) {
-    cp_async_wait<0>();
-    fence_proxy_async_shared();
-    __syncthreads();  // K and V landed, barriers set up: the last CTA-wide barrier
+    __syncthreads();  // barriers set up: the last CTA-wide barrier
     if (warp >= LOADER_WARP) {
       set_max_registers<PRODUCER_REGS, false>();
       if (warp == LOADER_WARP) {
@@ -284,6 +284,9 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
       return;
     }
     set_max_registers<CONSUMER_REGS, true>();
+    cp_async_wait<0>();
+    fence_proxy_async_shared();  // for wgmma's (async proxy) reads
+    named_barrier(3, CONSUMERS);  // every compute thread's K and V copies landed
   }
 
   // Descriptors. K-major: K, V as A (this warpgroup's keys), Q, dO as B of S^T / dP^T (this
