@@ -62,8 +62,8 @@ KERNEL_EDITS = [
     ("        bulk_wait<0, false>();\n      }\n      allow_dependent_launch();\n      return;",
      "        bulk_wait<0, false>();\n        ST[11] = clock();\n      }\n"
      "      if (warp == LOADER_WARP && lane == 0) ST[10] = clock();\n      allow_dependent_launch();\n      return;"),
-    ("    named_barrier(3, CONSUMERS);  // every compute thread's K and V copies landed\n  }",
-     "    named_barrier(3, CONSUMERS);  // every compute thread's K and V copies landed\n"
+    ("    named_barrier(INIT_BAR, THREADS);  // every compute thread's K and V copies landed; the barriers initialized\n  }",
+     "    named_barrier(INIT_BAR, THREADS);  // every compute thread's K and V copies landed; the barriers initialized\n"
      "    if (tid == 0) ST[3] = clock();\n  }"),
     ("      mbarrier_wait(&full[stage], (i / STAGES) & 1);",
      "      if (tid == 0 && i < 64) ST[80 + i] = clock();\n"

@@ -190,9 +190,14 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   // arrived and the TMA bytes landed) / free again (every compute warp is done with it).
   // dq_full[b] / dq_empty[b]: dQ buffer b written by every compute warp / read by the bulk add.
   // A barrier completes a phase once its count has arrived; waiters name the phase's parity.
+  // The loader's first thread initializes them (it needs them first) and the producer warpgroup
+  // meets on PRODUCER_BAR, then arrives on INIT_BAR, where the compute warps wait once their K / V
+  // copies landed: no CTA-wide barrier, so the first query tile's TMA no longer waits behind the
+  // compute warps' K / V copies being issued.
   __shared__ uint64_t full[STAGES], empty[STAGES], dq_full[2], dq_empty[2];
+  constexpr int PRODUCER_BAR = 6, INIT_BAR = 7;  // 1..5: the compute warps' own
   if constexpr (PRODUCER) {
-    if (tid == 0) {
+    if (tid == LOADER_WARP * 32) {
       for (int s = 0; s < STAGES; ++s) {
         mbarrier_init(&full[s], 32);
         mbarrier_init(&empty[s], CONSUMERS / 32);
@@ -201,23 +206,27 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
         mbarrier_init(&dq_full[b], CONSUMERS / 32);
         mbarrier_init(&dq_empty[b], 1);
       }
+      fence_mbarrier_init();
     }
   }
   // With PRODUCER the compute warps copy K and V, and the loader starts on the first query
   // tiles at once instead of after K and V landed (their two memory latencies then overlap).
-  if (!PRODUCER || warp < LOADER_WARP) load_kv<Tiles, PRODUCER ? CONSUMERS : THREADS>(p, w, k_smem, v_smem, tid);
+  if (!PRODUCER || warp < LOADER_WARP) {
+    load_kv<Tiles, PRODUCER ? CONSUMERS : THREADS>(p, w, k_smem, v_smem, tid);
 {% if dq_kernel %}
-  wait_for_prerequisite_grid();  // the preprocess wrote lse2 / delta
+    wait_for_prerequisite_grid();  // the preprocess wrote lse2 / delta
 {% else %}
-  wait_for_prerequisite_grid();  // the preprocess wrote lse2 / delta and zeroed dQ
+    wait_for_prerequisite_grid();  // the preprocess wrote lse2 / delta and zeroed dQ
 {% endif %}
+  }
   if constexpr (!PRODUCER) {
     if (tiles > 0) load_query_tile<QTiles, THREADS>(p, w, w.m_begin, q_smem, do_smem, stats, tid);
   }
   cp_async_commit();
   if constexpr (PRODUCER) {
-    __syncthreads();  // barriers set up: the last CTA-wide barrier
     if (warp >= LOADER_WARP) {
+      named_barrier(PRODUCER_BAR, 128);  // the barriers initialized, for the loader and the writer
+      named_barrier_arrive(INIT_BAR, THREADS);
       set_max_registers<PRODUCER_REGS, false>();
       if (warp == LOADER_WARP) {
         // Query tile i into stage i % STAGES once the compute warps freed it.
@@ -238,13 +247,28 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
                 tma_load_4d(do_smem + s * QT_CHUNKS + cb * QBLOCK, &args.do_map, &full[s], cb * 64, 0, w.kv_head, token);
               }
             }
-            // lse2 / delta of the tile's rows (all in the sequence); each lane arrives after
-            // its own stores.
-            for (int row = lane; row < BLOCK_M; row += 32) {
-              st[row] = p.lse2[row0 + m * BLOCK_M + row];
-              st[BLOCK_M + row] = p.delta[row0 + m * BLOCK_M + row];
+            // lse2 / delta of the tile's rows (all in the sequence), which the preprocess wrote
+            // (Q / dO are inputs: their first TMA flies before that wait); every load issued
+            // before any store, so they share one memory latency. Each lane arrives after its
+            // own stores.
+            if (i == 0) wait_for_prerequisite_grid();
+            constexpr int PER_LANE = BLOCK_M / 32;
+            static_assert(BLOCK_M % 32 == 0, "lse2 / delta: whole rows a lane");
+            const float* lse2_rows = p.lse2 + row0 + m * BLOCK_M + lane;
+            const float* delta_rows = p.delta + row0 + m * BLOCK_M + lane;
+            float l2[PER_LANE], dl[PER_LANE];
+#pragma unroll
+            for (int k = 0; k < PER_LANE; ++k) {
+              l2[k] = lse2_rows[32 * k];
+              dl[k] = delta_rows[32 * k];
+            }
+#pragma unroll
+            for (int k = 0; k < PER_LANE; ++k) {
+              st[lane + 32 * k] = l2[k];
+              st[BLOCK_M + lane + 32 * k] = dl[k];
             }
           } else {
+            if (i == 0) wait_for_prerequisite_grid();
             load_query_tile<QTiles, 32>(p, w, m, q_smem + s * QT_CHUNKS, do_smem + s * QT_CHUNKS, st, lane);
             cp_async_commit();
             cp_async_wait<0>();
@@ -256,6 +280,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
         // Tile i's dQ from buffer i % 2 onto the accumulator rows of its sequence: one bulk
         // reduce-add (the buffer is those rows, swizzled as they are), in key-tile order when
         // deterministic.
+        wait_for_prerequisite_grid();  // the preprocess zeroed the accumulator
         for (int i = 0; i < tiles; ++i) {
           const int b = i % DQ_STAGES, m = w.m_begin + i;
           mbarrier_wait(&dq_full[b], (i / DQ_STAGES) & 1);
@@ -286,7 +311,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     set_max_registers<CONSUMER_REGS, true>();
     cp_async_wait<0>();
     fence_proxy_async_shared();  // for wgmma's (async proxy) reads
-    named_barrier(3, CONSUMERS);  // every compute thread's K and V copies landed
+    named_barrier(INIT_BAR, THREADS);  // every compute thread's K and V copies landed; the barriers initialized
   }
 
   // Descriptors. K-major: K, V as A (this warpgroup's keys), Q, dO as B of S^T / dP^T (this
