@@ -11,7 +11,8 @@ in tests/test_varlen_backward.py). Key/value rows that must not be read hold NaN
 On an sm_90 GPU head_dim 64, 128 and 256 run the Hopper (wgmma) rung by default; the tests marked
 with a `rung` parameter, and half the random configurations at those head dims, run the
 mma.sync rung too (forced, as JITATTN_WGMMA=0 would). JITATTN_TEST_BACKWARD_PRODUCER=1 / 0
-runs the wgmma rung with / without its producer warpgroup; JITATTN_TEST_BACKWARD_DQ_KERNEL=0 the
+runs the wgmma rung with / without its producer warpgroup; JITATTN_TEST_BACKWARD_PERSISTENT=1 / 0
+its D64 / D128 producer kernels persistent (a CTA per SM) / not; JITATTN_TEST_BACKWARD_DQ_KERNEL=0 the
 D256 producer kernel with dQ inside (not the dq_kernel variant).
 
 Every gradient is compared relatively (Frobenius, ||g - ref|| / ||ref||) and absolutely (max
@@ -90,6 +91,12 @@ def _producer_variant(monkeypatch):
         from jitattn.varlen import backward_launch as varlen_backward_launch
 
         monkeypatch.setattr(varlen_backward_launch, "PRODUCER_HEAD_DIMS", frozenset({64, 128, 256} if choice == "1" else ()))
+        monkeypatch.setattr(varlen_backward_launch, "_kernels", {})
+    persistent = os.environ.get("JITATTN_TEST_BACKWARD_PERSISTENT")
+    if persistent is not None:  # 1: D64 / D128 persistent (a CTA per SM), 0: a CTA per key tile
+        from jitattn.varlen import backward_launch as varlen_backward_launch
+
+        monkeypatch.setattr(varlen_backward_launch, "PERSISTENT_HEAD_DIMS", frozenset({64, 128} if persistent == "1" else ()))
         monkeypatch.setattr(varlen_backward_launch, "_kernels", {})
     if os.environ.get("JITATTN_TEST_BACKWARD_DQ_KERNEL") == "0":  # D256: dQ in the main kernel again
         from jitattn.varlen import backward_launch as varlen_backward_launch

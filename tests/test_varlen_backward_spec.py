@@ -78,6 +78,19 @@ def test_backward_consumer_regs_is_a_split_of_the_producer_variant():
         VarlenBackwardSpec(128, wgmma=True, consumer_regs=240)
 
 
+def test_backward_persistent_is_a_variant_of_the_producer_kernel_off_by_default():
+    spec = VarlenBackwardSpec(128, "bfloat16", wgmma=True, producer=True)
+    persistent = dataclasses.replace(spec, persistent=True)
+    assert not spec.persistent and persistent.name == "varlen_backward_bf16_d128_wgmma_producer_persistent_r240_n128m64q1"
+    assert keys.key_of(keys.components(spec, TARGET)) != keys.key_of(keys.components(persistent, TARGET))
+    assert "constexpr bool PERSISTENT = true;" in render.render(persistent, "x")["kernels.cu"]
+    assert "constexpr bool PERSISTENT = false;" in render.render(spec, "x")["kernels.cu"]
+    # What `prewarm --family varlen_backward` builds follows the plan's default unless named.
+    fields = {"head_dim": 128, "dtype": "bfloat16"}
+    assert [v.get("persistent") for v in VarlenBackwardSpec.prewarm_variants(fields, ("9.0a",))] == [False]
+    assert [v["persistent"] for v in VarlenBackwardSpec.prewarm_variants({**fields, "persistent": True}, ("9.0a",))] == [True]
+
+
 def test_backward_spec_round_trips_through_a_dict():
     spec = VarlenBackwardSpec(96, "bfloat16", block_n=64)
     assert spec.to_dict()["family"] == "varlen_backward"
@@ -102,6 +115,8 @@ def test_backward_spec_round_trips_through_a_dict():
     (dict(head_dim=128, wgmma=True, producer=True, dq_kernel=True), "dq_kernel=True is a variant"),
     (dict(head_dim=256, wgmma=True, dq_kernel=True), "dq_kernel=True is a variant"),
     (dict(head_dim=256, dq_kernel=True), "dq_kernel=True is a variant"),
+    (dict(head_dim=256, wgmma=True, producer=True, persistent=True), "persistent=True overlaps"),
+    (dict(head_dim=128, wgmma=True, persistent=True), "persistent=True overlaps"),
 ])
 def test_backward_spec_refuses_shapes_it_cannot_run(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -38,6 +38,9 @@ PRODUCER_HEAD_DIMS: frozenset[int] = frozenset({64, 128, 256})
 # tests and benchmarks can turn it off here). H200, bf16 8 x 4k, 16 heads, causal / full: 353 /
 # 391 TFLOP/s against 240 / 265 for dQ by atomics in the main kernel (notes/backward-d256.md).
 DQ_KERNEL_HEAD_DIMS: frozenset[int] = _spec.DQ_KERNEL_HEAD_DIMS
+# Head dims whose producer backward runs one CTA per SM over many key tiles (persistent; none by
+# default: the spec module's list, read at plan time so tests and benchmarks can turn it on here).
+PERSISTENT_HEAD_DIMS: frozenset[int] = _spec.PERSISTENT_HEAD_DIMS
 
 _kernels: dict[tuple, tuple[object, VarlenBackwardSpec]] = {}  # (head_dim, dtype, wgmma, cap) -> (run op, spec)
 _hopper: dict[int | None, bool] = {}  # device index -> sm_90
@@ -61,7 +64,8 @@ def plan(head_dim: int, dtype: torch.dtype, wgmma: bool = False, soft_cap: bool 
     wgmma = wgmma and VarlenBackwardSpec.wgmma_fits(head_dim)
     producer = wgmma and head_dim in PRODUCER_HEAD_DIMS
     return VarlenBackwardSpec(head_dim, check.DTYPE_NAMES[dtype], wgmma=wgmma, producer=producer, soft_cap=soft_cap,
-                              dq_kernel=producer and head_dim in DQ_KERNEL_HEAD_DIMS)
+                              dq_kernel=producer and head_dim in DQ_KERNEL_HEAD_DIMS,
+                              persistent=producer and head_dim in PERSISTENT_HEAD_DIMS)
 
 
 def _kernel(head_dim: int, dtype: torch.dtype, wgmma: bool, soft_cap: bool):

@@ -28,6 +28,11 @@ DECODE_TMA = False
 # Head dims whose wgmma backward (with the producer) computes dQ in a kernel of its own
 # (VarlenBackwardSpec.dq_kernel): where backward_launch.plan takes it, and what prewarm builds.
 DQ_KERNEL_HEAD_DIMS: frozenset[int] = frozenset({256})
+# Head dims whose wgmma backward with the producer runs persistent (VarlenBackwardSpec.persistent):
+# none by default. Measured on the H200 (bf16 8 x 4k, tools/bwd_ab.py, 3 jobs, against a CTA per
+# key tile in the same rounds): D128 full -5 to -10%, causal -4 to -6%; D64 full -3 to +0.2%,
+# causal +1.5 to +3.8% (notes/backward-h200.md).
+PERSISTENT_HEAD_DIMS: frozenset[int] = frozenset()
 
 
 @register
@@ -289,6 +294,7 @@ class VarlenBackwardSpec(KernelSpec):
     soft_cap: bool = False  # the forward's logit soft cap: dS takes the slope 1 - tanh^2
     dq_kernel: bool = False  # dQ by its own query-major kernel, the main kernel dK / dV only
     consumer_regs: int = 0  # producer only: the compute warpgroups' registers (setmaxnreg); 0: the tuned split
+    persistent: bool = False  # producer, head_dim <= 128: a CTA per SM walks many key tiles (not deterministic)
 
     @classmethod
     def prewarm_variants(cls, fields: dict, archs: tuple[str, ...]) -> list[dict]:
@@ -296,8 +302,11 @@ class VarlenBackwardSpec(KernelSpec):
         the wgmma rung where sm_90 is a target and the head_dim fits (with the producer warpgroup
         unless `producer` is named, as backward_launch plans it), the mma.sync one where another
         arch is (or it does not fit, or no arch is known); `wgmma` named: as named."""
+        def persistent(producer: bool) -> dict:  # as backward_launch plans it unless named
+            return {"persistent": fields.get("persistent", producer and fields.get("head_dim", 0) in PERSISTENT_HEAD_DIMS)}
+
         if "wgmma" in fields:
-            return [dict(fields)]
+            return [{**fields, **persistent(fields.get("producer", False))}]
         hopper = any(a.rstrip("a") == "9.0" for a in archs)
         other = not archs or any(a.rstrip("a") != "9.0" for a in archs)
         fits = cls.wgmma_fits(fields.get("head_dim", 0))
@@ -305,7 +314,7 @@ class VarlenBackwardSpec(KernelSpec):
         def hopper_fields():
             producer = fields.get("producer", True)
             dq = fields.get("dq_kernel", producer and fields.get("head_dim", 0) in DQ_KERNEL_HEAD_DIMS)
-            return {"producer": producer, "dq_kernel": dq}
+            return {"producer": producer, "dq_kernel": dq, **persistent(producer)}
 
         return [{**fields, "wgmma": w, **(hopper_fields() if w else {})} for w in rungs]
 
@@ -327,6 +336,10 @@ class VarlenBackwardSpec(KernelSpec):
         if self.producer and self.consumer_regs not in CONSUMER_REGS:
             raise ValueError(f"varlen_backward consumer_regs is one of {sorted(CONSUMER_REGS)} "
                              f"(got {self.consumer_regs})")
+        if self.persistent and not (self.producer and self.head_dim <= 128):
+            raise ValueError("varlen_backward persistent=True overlaps a key tile's epilogue with the next one's loads "
+                             f"by the producer warpgroup: producer=True and head_dim <= 128 (got producer="
+                             f"{self.producer}, head_dim={self.head_dim})")
         if not self.producer and self.consumer_regs:
             raise ValueError("varlen_backward consumer_regs splits the registers with the producer warpgroup: "
                              "set producer=True")
@@ -416,6 +429,7 @@ class VarlenBackwardSpec(KernelSpec):
     def name(self) -> str:
         rung = "_wgmma_producer" if self.producer else "_wgmma" if self.wgmma else ""
         rung += "_dqkernel" if self.dq_kernel else ""
+        rung += "_persistent" if self.persistent else ""
         if self.producer and self.consumer_regs != 224:
             rung += f"_r{self.consumer_regs}"
         return (f"varlen_backward_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{rung}{'_cap' if self.soft_cap else ''}"

@@ -44,6 +44,14 @@ __device__ __forceinline__ void tma_load_5d(void* smem, const CUtensorMap* map, 
       : "memory");
 }
 
+// Shared memory (1024-aligned for the 128-byte swizzle) into the box at coordinates (c0
+// innermost .. c2) of a 3-D tensor map, one thread, in its current bulk group.
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* smem, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {" "%1, %2, %3}], [%4];\n" ::"l"(map),
+               "r"(c0), "r"(c1), "r"(c2), "r"(smem_address(smem))
+               : "memory");
+}
+
 // global[0, bytes) += shared[0, bytes) as fp32 (16-byte aligned, bytes a multiple of 16), one thread.
 __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, const void* smem, uint32_t bytes) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem),

@@ -192,38 +192,53 @@ __device__ __forceinline__ float* dq_row(const BwdParams& p, const Work& w, int 
   return p.dq_accum + (int64_t(w.kv_head) * p.dq_rows + int64_t(w.q_start) * p.pack + pr) * HEAD_DIM;
 }
 
-// Epilogue: dK (times scale) and dV as T through shared memory (`staging`: 2 * BLOCK_N rows of
-// ROW_CHUNKS chunks, free now), then 16-byte rows for the keys of the sequence. Each thread
+// Epilogue, first half: dK (times scale) and dV as T into shared memory (`staging`: 2 * BLOCK_N
+// rows of ROW_CHUNKS chunks, dK's then dV's, laid out by Layout::at(row, chunk)). Each thread
 // passes its TILES accumulator tiles of dK and dV (rows key0 + g (+ 8)) and the head_dim chunk
-// of each (chunk_of(t) < 0: none); all THREADS_ threads (tid < THREADS_) then copy, after
-// `sync()`, a barrier among exactly them.
-template <int TILES, int THREADS_, typename ChunkOf, typename Sync>
-__device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Work& w, const float (&dk)[TILES][4],
-                                            const float (&dv)[TILES][4], int key0, int g, int c, ChunkOf chunk_of,
-                                            uint4* staging, int tid, Sync sync) {
-  using Rows = RowSwizzle<ROW_CHUNKS>;
+// of each (chunk_of(t) < 0: none).
+template <typename Layout, int TILES, typename ChunkOf>
+__device__ __forceinline__ void stage_dk_dv(const BwdParams& p, const float (&dk)[TILES][4], const float (&dv)[TILES][4],
+                                            int key0, int g, int c, ChunkOf chunk_of, uint4* staging) {
   uint32_t* dk32 = reinterpret_cast<uint32_t*>(staging);
   uint32_t* dv32 = dk32 + BLOCK_N * ROW_CHUNKS * 4;
 #pragma unroll
   for (int t = 0; t < TILES; ++t) {
     const int chunk = chunk_of(t);
     if (chunk < 0) continue;
-    dk32[Rows::at(key0 + g, chunk) * 4 + c] = pack2<T>(dk[t][0] * p.scale, dk[t][1] * p.scale);
-    dk32[Rows::at(key0 + g + 8, chunk) * 4 + c] = pack2<T>(dk[t][2] * p.scale, dk[t][3] * p.scale);
-    dv32[Rows::at(key0 + g, chunk) * 4 + c] = pack2<T>(dv[t][0], dv[t][1]);
-    dv32[Rows::at(key0 + g + 8, chunk) * 4 + c] = pack2<T>(dv[t][2], dv[t][3]);
+    dk32[Layout::at(key0 + g, chunk) * 4 + c] = pack2<T>(dk[t][0] * p.scale, dk[t][1] * p.scale);
+    dk32[Layout::at(key0 + g + 8, chunk) * 4 + c] = pack2<T>(dk[t][2] * p.scale, dk[t][3] * p.scale);
+    dv32[Layout::at(key0 + g, chunk) * 4 + c] = pack2<T>(dv[t][0], dv[t][1]);
+    dv32[Layout::at(key0 + g + 8, chunk) * 4 + c] = pack2<T>(dv[t][2], dv[t][3]);
   }
-  sync();
-  const uint4* dk_rows = reinterpret_cast<const uint4*>(dk32);
-  const uint4* dv_rows = reinterpret_cast<const uint4*>(dv32);
-  for (int idx = tid; idx < BLOCK_N * CHUNKS; idx += THREADS_) {
+}
+
+// Epilogue, second half: staged rows [row_begin, BLOCK_N) as 16-byte stores onto the keys of the
+// sequence (rows past it skipped), `threads` threads from thread `tid`.
+template <typename Layout>
+__device__ __forceinline__ void copy_dk_dv(const BwdParams& p, const Work& w, const uint4* staging, int row_begin,
+                                           int tid, int threads) {
+  const uint4* dk_rows = staging;
+  const uint4* dv_rows = staging + BLOCK_N * ROW_CHUNKS;
+  for (int idx = row_begin * CHUNKS + tid; idx < BLOCK_N * CHUNKS; idx += threads) {
     const int row = idx / CHUNKS, chunk = idx % CHUNKS;
     const int n = w.n0 + row;
     if (n >= w.k_len) continue;
     const int64_t token = int64_t(w.k_start) + n;
     *reinterpret_cast<uint4*>(static_cast<T*>(p.dk) + token * p.dk_stride_token + w.kv_head * p.dk_stride_head +
-                              chunk * 8) = dk_rows[Rows::at(row, chunk)];
+                              chunk * 8) = dk_rows[Layout::at(row, chunk)];
     *reinterpret_cast<uint4*>(static_cast<T*>(p.dv) + token * p.dv_stride_token + w.kv_head * p.dv_stride_head +
-                              chunk * 8) = dv_rows[Rows::at(row, chunk)];
+                              chunk * 8) = dv_rows[Layout::at(row, chunk)];
   }
+}
+
+// Epilogue: both halves through `staging` (free now, row-swizzled: conflict-free writes), all
+// THREADS_ threads (tid < THREADS_) copying after `sync()`, a barrier among exactly them.
+template <int TILES, int THREADS_, typename ChunkOf, typename Sync>
+__device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Work& w, const float (&dk)[TILES][4],
+                                            const float (&dv)[TILES][4], int key0, int g, int c, ChunkOf chunk_of,
+                                            uint4* staging, int tid, Sync sync) {
+  using Rows = RowSwizzle<ROW_CHUNKS>;
+  stage_dk_dv<Rows>(p, dk, dv, key0, g, c, chunk_of, staging);
+  sync();
+  copy_dk_dv<Rows>(p, w, staging, 0, tid, THREADS_);
 }

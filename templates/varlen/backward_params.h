@@ -18,6 +18,7 @@ struct BwdParams {
   float* lse2;                // workspace (H_kv, dq_rows): lse in log2 units, +inf for lse = -inf
   float* delta;               // workspace (H_kv, dq_rows): rowsum(dO * O) - dlse
   int* semaphores;            // deterministic: (H_kv, sem_stride) ints, zeroed; else nullptr
+  int* work_counter;         // persistent main kernel: work items taken past the grid (zeroed by the preprocess), or nullptr
   const int* cu_seq_q;        // (N + 1,)
   const int* cu_seq_k;        // (N + 1,)
   const int* seqused_k;       // (N,) or nullptr

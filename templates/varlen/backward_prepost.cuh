@@ -40,6 +40,7 @@ __device__ __forceinline__ void zero_unwritten_keys(const BwdParams& p, int64_t 
 // comes out zero). The CTAs after those rows' zero dK / dV rows (zero_unwritten_keys).
 __global__ void __launch_bounds__(PRE_THREADS) varlen_bwd_pre(const BwdParams p) {
   allow_dependent_launch();  // the main kernel waits for this grid before reading its results
+  if (p.work_counter && blockIdx.x == 0 && threadIdx.x == 0) *p.work_counter = 0;
   const int64_t row_ctas = pre_row_ctas(p);
   if (blockIdx.x >= row_ctas) {
     zero_unwritten_keys(p, blockIdx.x - row_ctas);

@@ -50,11 +50,12 @@ __device__ __forceinline__ int first_launched_tile(int n_tiles, const BwdParams&
   return max(0, n_tiles - p.num_n_blocks);
 }
 
-__device__ __forceinline__ bool decode_work(const BwdParams& p, Work& w) {
+// Work item `index` (a CTA's blockIdx.x, or a persistent CTA's round's item).
+__device__ __forceinline__ bool decode_work(const BwdParams& p, Work& w, unsigned index) {
   const int per_j = p.num_seqs * p.num_heads_kv;
   const int J = p.num_n_blocks;
-  const int band = blockIdx.x / (per_j * N_BAND);  // bands before the last are full
-  int rest = blockIdx.x - band * per_j * N_BAND;
+  const int band = index / (per_j * N_BAND);  // bands before the last are full
+  int rest = index - band * per_j * N_BAND;
   const int band_blocks = min(N_BAND, J - band * N_BAND);
   const int position = band * N_BAND + rest % band_blocks;  // in the order of j
   w.descending = p.semaphores != nullptr && p.window_right >= 0;
@@ -87,6 +88,10 @@ __device__ __forceinline__ bool decode_work(const BwdParams& p, Work& w) {
     w.m_end = static_cast<int>(((r_max + 1) * p.pack - 1) / BLOCK_M) + 1;
   }
   return true;
+}
+
+__device__ __forceinline__ bool decode_work(const BwdParams& p, Work& w) {
+  return decode_work(p, w, blockIdx.x);
 }
 
 // Whether a CTA of the main kernel writes key token `token`'s dK / dV (every KV head): the token

@@ -34,6 +34,7 @@ constexpr int WARPGROUPS = 2;                  // compute warpgroups
 constexpr int CONSUMERS = WARPGROUPS * 128;
 constexpr int THREADS = CONSUMERS + (PRODUCER ? 128 : 0);
 constexpr int LOADER_WARP = CONSUMERS / 32, WRITER_WARP = LOADER_WARP + 1;  // PRODUCER; warps 10-11 idle
+constexpr int STORER_WARP = LOADER_WARP + 2;  // PERSISTENT: stores each item's dK / dV (warp 11 idle)
 {# consumer_regs (VarlenBackwardSpec.default_consumer_regs): 240 lets ptxas issue D128's wgmmas back to back. #}
 {% if consumer_regs == 240 %}
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;  // ptxas, D128: wgmmas not serialized; the producer spills
@@ -102,6 +103,30 @@ static_assert(ROW_CHUNKS == CHUNKS && DS_CHUNKS == 8, "whole swizzle atoms");
 static_assert(!DKV_SPLIT || (DQ_STAGES == 0 && DQ_SN == 64), "DKV_SPLIT: dQ by atomics, in 64-column slices");
 static_assert(SMEM_BYTES <= 227 * 1024, "tile shape needs more shared memory than an SM has (227 KB)");
 static_assert(2 * STAGES * QT_CHUNKS >= 2 * BLOCK_N * ROW_CHUNKS, "the dK / dV epilogue stages in the Q and dO buffers");
+// PERSISTENT (VarlenBackwardSpec persistent; cuDNN's bprop launches one CTA per SM too): a CTA
+// walks many key tiles (work items). Between two items the compute warps only stage dK / dV in
+// shared memory and go on: the storer warp copies them out (TMA stores of 8-row boxes) under the
+// next item's first tile, and the loader has copied that item's K / V and first query tiles
+// meanwhile, so an item's start (~3 µs of K / V and first-tile latency) and most of its
+// epilogue (~2 µs at D128) leave the critical path. The staging is the dQ hand-off buffers
+// (free once the last bulk add read them; the next item's first hand-off waits for the
+// storer), not the Q / dO stages the loader is filling; the stage and dQ-buffer rings run on
+// across items (`ring`: the query tiles of earlier items). K / V come by the loader's cp.async
+// (zero past the keys), on kv_full / kv_empty; the staging on staged / stored.
+static_assert(!PERSISTENT || (PRODUCER && !DKV_SPLIT && DQ_STAGES > 0), "persistent: the producer and the dQ bulk add");
+static_assert(!PERSISTENT || 2 * BLOCK_N * ROW_CHUNKS * 16 <= DQ_STAGES * DQ_TILE * 4,
+              "persistent: the dK / dV epilogue stages in the dQ hand-off buffers");
+static_assert(!PERSISTENT || (HEAD_DIM % 64 == 0 && BLOCK_N % 8 == 0), "persistent: dK / dV in 8-row x 128-byte boxes");
+static_assert(!PERSISTENT || (2 * KV_CHUNKS + 2 * STAGES * QT_CHUNKS + DS_STAGES * DS_TILES * DS_TILE) % 64 == 0,
+              "persistent: the staging (the dQ buffers) 1024-byte aligned for the TMA stores' swizzle");
+
+// `v` through a move the compiler cannot see through or hoist (volatile asm): what is computed
+// from it stays where it is used. PERSISTENT's epilogue takes its thread coordinates this way,
+// or its address math is hoisted out of the item loop and kept live (spilled) through every tile.
+__device__ __forceinline__ int opaque(int v) {
+  asm volatile("mov.b32 %0, %0;" : "+r"(v));
+  return v;
+}
 
 using Tiles = AtomSwizzle<ROW_CHUNKS>;
 using DsRows = RowSwizzle<DS_CHUNKS>;  // = AtomSwizzle<8>
@@ -123,7 +148,10 @@ __device__ __forceinline__ int q_step(int kt) { return (kt / 4) * QBLOCK + (kt %
 struct BwdMain {
   BwdParams p;
   CUtensorMap q_map, do_map;
+  CUtensorMap dk_map, dv_map;  // PERSISTENT: (D, H_kv, T_k), boxes of 64 x 1 x 8 rows
   int tma;
+  int tma_store;  // dk_map / dv_map encoded (else the storer warp copies with 16-byte stores)
+  int items;  // work items: key tiles x KV heads x sequences (the grid's size unless PERSISTENT)
 };
 
 // The host side of BwdMain: encodes the maps where the shape allows.
@@ -131,6 +159,7 @@ inline BwdMain main_kernel_args(const BwdParams& p) {
   BwdMain a;
   a.p = p;
   a.tma = 0;
+  a.items = p.num_n_blocks * p.num_seqs * p.num_heads_kv;  // <= INT_MAX: launch_varlen_bwd checks
   if (!PRODUCER) return a;
   const EncodeTiled encode = encode_tiled();
   const int64_t e = sizeof(T);
@@ -150,6 +179,22 @@ inline BwdMain main_kernel_args(const BwdParams& p) {
   };
   a.tma = encode_map(&a.q_map, p.q, p.q_stride_token, p.q_stride_head) &&
           encode_map(&a.do_map, p.dout, p.dout_stride_token, p.dout_stride_head);
+  a.tma_store = 0;
+  if (!PERSISTENT) return a;
+  auto encode_out = [&](CUtensorMap* map, void* base, int64_t stride_token, int64_t stride_head) {
+    const bool fits = reinterpret_cast<uintptr_t>(base) % 16 == 0 && (stride_token * e) % 16 == 0 &&
+                      (stride_head * e) % 16 == 0 && stride_head > 0 && p.total_k > 0;
+    if (!encode || !fits) return false;
+    const cuuint64_t dims[3] = {cuuint64_t(HEAD_DIM), cuuint64_t(p.num_heads_kv), cuuint64_t(p.total_k)};
+    const cuuint64_t strides[2] = {cuuint64_t(stride_head * e), cuuint64_t(stride_token * e)};
+    const cuuint32_t box[3] = {64, 1, 8};
+    const cuuint32_t unit[3] = {1, 1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, base, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  };
+  a.tma_store = encode_out(&a.dk_map, p.dk, p.dk_stride_token, p.dk_stride_head) &&
+                encode_out(&a.dv_map, p.dv, p.dv_stride_token, p.dv_stride_head);
   return a;
 }
 
@@ -172,8 +217,10 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   float* stats = dq_smem + DQ_STAGES * DQ_TILE;   // [STAGES][lse2, delta][BLOCK_M]
   float* dq_scratch = stats + STAGES * 2 * BLOCK_M;  // DKV_SPLIT: [warp][8 rows][DQ_SN]
 
-  Work w;
+{% if not persistent %}
+  Work w;  // the CTA's one work item (PERSISTENT: each role decodes its items itself)
   if (!decode_work(p, w)) return;
+{% endif %}
   // warp through a shuffle: warp-uniform as far as the compiler can tell (FlashAttention-3's
   // canonical_warp_idx), so the warpgroup's wgmma descriptors live in uniform registers instead
   // of a 64-bit add and two R2UR moves per wgmma.
@@ -182,9 +229,30 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   const int wg_key0 = DKV_SPLIT ? 0 : wg * WG_KEYS;  // this warpgroup's first key (the MMA's M)
   const int key0 = wg_key0 + (warp % 4) * 16;       // this warp's 16 accumulator rows (keys)
   const int q0 = DKV_SPLIT ? wg * SN : 0;           // this warpgroup's first query of S^T
+  // Each role walks its work items: ITEM_BEGIN(take) names the item's Work `w`, its query tiles
+  // and first accumulator row (tile m's rows follow at m * BLOCK_M), `ring` (the query tiles of
+  // earlier items: the rings' place) and `done` (items before it: the barriers' phases).
+  // PERSISTENT: item after item, take(done) giving each (-1: none left); otherwise the CTA's
+  // one item, decoded above.
+{% if persistent %}
+#define ITEM_BEGIN(take)                                                                    \
+  for (int done = 0, ring = 0;; ++done) {                                                   \
+    const int item = take(done);                                                            \
+    if (item < 0) break;                                                                    \
+    Work w;                                                                                 \
+    decode_work(p, w, static_cast<unsigned>(item));                                         \
+    const int tiles = w.m_end - w.m_begin;                                                  \
+    const int64_t row0 = int64_t(w.kv_head) * p.dq_rows + int64_t(w.q_start) * p.pack;
+#define ITEM_END \
+    ring += tiles; \
+  }
+{% else %}
   const int tiles = w.m_end - w.m_begin;
-  // First accumulator row of this (sequence, KV head): tile m's rows follow at m * BLOCK_M.
   const int64_t row0 = int64_t(w.kv_head) * p.dq_rows + int64_t(w.q_start) * p.pack;
+  constexpr int ring = 0, done = 0;
+#define ITEM_BEGIN(take)
+#define ITEM_END
+{% endif %}
 
   // PRODUCER's hand-offs. full[s] / empty[s]: query tile stage s copied (the loader's lanes
   // arrived and the TMA bytes landed) / free again (every compute warp is done with it).
@@ -194,7 +262,14 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   // meets on PRODUCER_BAR, then arrives on INIT_BAR, where the compute warps wait once their K / V
   // copies landed: no CTA-wide barrier, so the first query tile's TMA no longer waits behind the
   // compute warps' K / V copies being issued.
-  __shared__ uint64_t full[STAGES], empty[STAGES], dq_full[2], dq_empty[2];
+  // PERSISTENT: kv_full / kv_empty: an item's K / V copied by the loader / read by every compute
+  // warp; staged / stored: its dK / dV staged by every compute warp / read out by the storer;
+  // item_full / item_empty: item_slot[n % 2], the CTA's n-th work item, published by the loader /
+  // read by every other warp.
+  __shared__ uint64_t full[STAGES], empty[STAGES], dq_full[2], dq_empty[2], kv_full, kv_empty, staged, stored;
+  __shared__ uint64_t item_full[2], item_empty[2];
+  __shared__ volatile int item_slot[2];
+  constexpr int ITEM_READERS = CONSUMERS / 32 + 2;  // the compute warps, the writer and the storer
   constexpr int PRODUCER_BAR = 6, INIT_BAR = 7;  // 1..5: the compute warps' own
   if constexpr (PRODUCER) {
     if (tid == LOADER_WARP * 32) {
@@ -206,13 +281,39 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
         mbarrier_init(&dq_full[b], CONSUMERS / 32);
         mbarrier_init(&dq_empty[b], 1);
       }
+      if constexpr (PERSISTENT) {
+        mbarrier_init(&kv_full, 1);
+        mbarrier_init(&kv_empty, CONSUMERS / 32);
+        mbarrier_init(&staged, CONSUMERS / 32);
+        mbarrier_init(&stored, 1);
+        for (int b = 0; b < 2; ++b) {
+          mbarrier_init(&item_full[b], 1);
+          mbarrier_init(&item_empty[b], ITEM_READERS);
+        }
+      }
       fence_mbarrier_init();
     }
   }
+  // PERSISTENT: the loader takes the work items: the CTA's own block index first, then the next
+  // of a counter past the grid whenever it starts another, so the CTA that finishes first takes
+  // the next item, as the hardware launches blocks without PERSISTENT. CTAs on neighbouring key
+  // tiles of one (sequence, KV head) then stay in step and share their Q / dO tiles in L2; a
+  // static split drifted apart (measured 5-10% slower at D128, full). Every other warp reads the
+  // item the loader published (whole_warp: all 32 lanes read it).
+  auto published_item = [&](int n, bool whole_warp) {
+    const int slot = n % 2;
+    mbarrier_wait(&item_full[slot], (n / 2) & 1);
+    const int item = item_slot[slot];
+    if (whole_warp) __syncwarp();
+    if (lane == 0) mbarrier_arrive(&item_empty[slot]);
+    return item;
+  };
   // With PRODUCER the compute warps copy K and V, and the loader starts on the first query
   // tiles at once instead of after K and V landed (their two memory latencies then overlap).
   if (!PRODUCER || warp < LOADER_WARP) {
+{% if not persistent %}
     load_kv<Tiles, PRODUCER ? CONSUMERS : THREADS>(p, w, k_smem, v_smem, tid);
+{% endif %}
 {% if dq_kernel %}
     wait_for_prerequisite_grid();  // the preprocess wrote lse2 / delta
 {% else %}
@@ -220,7 +321,9 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
 {% endif %}
   }
   if constexpr (!PRODUCER) {
+{% if not persistent %}
     if (tiles > 0) load_query_tile<QTiles, THREADS>(p, w, w.m_begin, q_smem, do_smem, stats, tid);
+{% endif %}
   }
   cp_async_commit();
   if constexpr (PRODUCER) {
@@ -229,10 +332,53 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
       named_barrier_arrive(INIT_BAR, THREADS);
       set_max_registers<PRODUCER_REGS, false>();
       if (warp == LOADER_WARP) {
-        // Query tile i into stage i % STAGES once the compute warps freed it.
+        // Query tile i of an item (the ring's q-th) into stage q % STAGES once the compute warps
+        // freed it. PERSISTENT: first the item's K / V, once the compute warps are done with the
+        // last item's, published after its first query tile went out.
+        int next = static_cast<int>(blockIdx.x);
+        auto fetch_item = [&] {  // the next item past the grid, or -1
+          if (static_cast<int>(gridDim.x) >= args.items) return -1;
+          int taken = 0;
+          if (lane == 0) {
+            wait_for_prerequisite_grid();  // the preprocess zeroed the counter
+            taken = atomicAdd(p.work_counter, 1);
+          }
+          const int item = static_cast<int>(gridDim.x) + __shfl_sync(0xffffffffu, taken, 0);
+          return item < args.items ? item : -1;
+        };
+        auto take = [&](int n) {  // the n-th item with work, published
+          if constexpr (PERSISTENT) {
+            if (n > 0) next = fetch_item();
+            Work probe;
+            while (next >= 0 && !decode_work(p, probe, static_cast<unsigned>(next))) next = fetch_item();
+            const int slot = n % 2;
+            if (n >= 2) mbarrier_wait(&item_empty[slot], (n / 2 + 1) & 1);
+            if (lane == 0) {
+              item_slot[slot] = next;
+              mbarrier_arrive(&item_full[slot]);
+            }
+            __syncwarp();
+          }
+          return next;
+        };
+        ITEM_BEGIN(take)
+        auto publish_kv = [&] {
+          if constexpr (PERSISTENT) {
+            cp_async_wait<0>();
+            fence_proxy_async_shared();  // for wgmma's (async proxy) reads
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(&kv_full);
+          }
+        };
+        if constexpr (PERSISTENT) {
+          if (done > 0) mbarrier_wait(&kv_empty, (done - 1) & 1);
+          load_kv<Tiles, 32>(p, w, k_smem, v_smem, lane);
+          cp_async_commit();
+          if (tiles == 0) publish_kv();
+        }
         for (int i = 0; i < tiles; ++i) {
-          const int s = i % STAGES, m = w.m_begin + i;
-          if (i >= STAGES) mbarrier_wait(&empty[s], (i / STAGES + 1) & 1);
+          const int q = ring + i, s = q % STAGES, m = w.m_begin + i;
+          if (q >= STAGES) mbarrier_wait(&empty[s], (q / STAGES + 1) & 1);
           float* st = stats + s * 2 * BLOCK_M;
           // A sequence's last tile, when partial, by cp.async: its rows past the sequence must
           // be zeros (TMA would read the next sequence's, or the unused tail's, rows; a NaN
@@ -251,7 +397,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
             // (Q / dO are inputs: their first TMA flies before that wait); every load issued
             // before any store, so they share one memory latency. Each lane arrives after its
             // own stores.
-            if (i == 0) wait_for_prerequisite_grid();
+            if (q == 0) wait_for_prerequisite_grid();
             constexpr int PER_LANE = BLOCK_M / 32;
             static_assert(BLOCK_M % 32 == 0, "lse2 / delta: whole rows a lane");
             const float* lse2_rows = p.lse2 + row0 + m * BLOCK_M + lane;
@@ -268,22 +414,25 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
               st[BLOCK_M + lane + 32 * k] = dl[k];
             }
           } else {
-            if (i == 0) wait_for_prerequisite_grid();
+            if (q == 0) wait_for_prerequisite_grid();
             load_query_tile<QTiles, 32>(p, w, m, q_smem + s * QT_CHUNKS, do_smem + s * QT_CHUNKS, st, lane);
             cp_async_commit();
             cp_async_wait<0>();
             fence_proxy_async_shared();  // for wgmma's (async proxy) reads
           }
           mbarrier_arrive(&full[s]);
+          if (i == 0) publish_kv();
         }
+        ITEM_END
       } else if (DQ_STAGES > 0 && warp == WRITER_WARP && lane == 0) {
         // Tile i's dQ from buffer i % 2 onto the accumulator rows of its sequence: one bulk
         // reduce-add (the buffer is those rows, swizzled as they are), in key-tile order when
         // deterministic.
         wait_for_prerequisite_grid();  // the preprocess zeroed the accumulator
+        ITEM_BEGIN([&](int n) { return published_item(n, false); })
         for (int i = 0; i < tiles; ++i) {
-          const int b = i % DQ_STAGES, m = w.m_begin + i;
-          mbarrier_wait(&dq_full[b], (i / DQ_STAGES) & 1);
+          const int q = ring + i, b = q % DQ_STAGES, m = w.m_begin + i;
+          mbarrier_wait(&dq_full[b], (q / DQ_STAGES) & 1);
           int* sem = p.semaphores ? dq_semaphore(p, w, m) : nullptr;
           if (sem) {
             const int turn = query_tile(p, w, m).turn;
@@ -303,7 +452,33 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
           }
           mbarrier_arrive(&dq_empty[b]);
         }
+        ITEM_END
         bulk_wait<0, false>();
+      } else if (PERSISTENT && warp == STORER_WARP) {
+        // Each item's dK / dV once every compute warp staged them: the 8-row groups inside the
+        // sequence by TMA stores (lane 0), the rest (a partial last group) by 16-byte stores.
+        const uint4* staging = reinterpret_cast<const uint4*>(dq_smem);
+        ITEM_BEGIN([&](int n) { return published_item(n, true); })
+        mbarrier_wait(&staged, done & 1);
+        const int groups = args.tma_store ? max(0, min(BLOCK_N, w.k_len - w.n0)) / 8 : 0;
+        if (lane == 0) {
+          for (int gi = 0; gi < groups; ++gi) {
+            const int token = w.k_start + w.n0 + gi * 8;
+#pragma unroll
+            for (int h = 0; h < HEAD_DIM / 64; ++h) {
+              const uint4* box = staging + Tiles::at(gi * 8, h * 8);  // a 1024-byte swizzle atom
+              tma_store_3d(&args.dk_map, box, h * 64, w.kv_head, token);
+              tma_store_3d(&args.dv_map, box + BLOCK_N * ROW_CHUNKS, h * 64, w.kv_head, token);
+            }
+          }
+          bulk_commit();
+        }
+        copy_dk_dv<Tiles>(p, w, staging, groups * 8, lane, 32);
+        if (lane == 0) bulk_wait<0, true>();  // the stores read the staging
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(&stored);
+        ITEM_END
+        if (lane == 0) bulk_wait<0, false>();
       }
       allow_dependent_launch();
       return;
@@ -329,17 +504,19 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   const uint64_t ds_desc = wgmma_desc(ds_smem, 1024, DS_CHUNKS * 128);
   const uint64_t dsk_desc = wgmma_desc(ds_smem, 16, DS_CHUNKS * 128);  // DKV_SPLIT: dS^T, P^T K-major
 
+  const float sl2 = p.scale_log2;
+  ITEM_BEGIN([&](int n) { return published_item(n, true); })
+  if constexpr (PERSISTENT) mbarrier_wait(&kv_full, done & 1);  // this item's K / V copied
   float dk[D_TILES * 4], dv[D_TILES * 4];
 #pragma unroll
   for (int i = 0; i < D_TILES * 4; ++i) dk[i] = dv[i] = 0.f;
   auto& dk4 = reinterpret_cast<float(&)[D_TILES][4]>(dk);
   auto& dv4 = reinterpret_cast<float(&)[D_TILES][4]>(dv);
-  const float sl2 = p.scale_log2;
 
   for (int m = w.m_begin; m < w.m_end; ++m) {
-    const int i = m - w.m_begin, stage = i % STAGES;
+    const int i = m - w.m_begin, q = ring + i, stage = q % STAGES;  // q: the tile's place in the rings
     if constexpr (PRODUCER) {
-      mbarrier_wait(&full[stage], (i / STAGES) & 1);
+      mbarrier_wait(&full[stage], (q / STAGES) & 1);
     } else {
       cp_async_wait<0>();
       fence_proxy_async_shared();  // the copies, before wgmma reads them
@@ -352,7 +529,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     const int qs = stage * QT_CHUNKS;
     // dS^T buffer of this tile: with PRODUCER (not DKV_SPLIT) two alternate, so writing tile i's
     // only needs tile i - 2's dQ done, which both warpgroups finished before meeting for tile i - 1.
-    const int ds_stage = i % DS_STAGES;
+    const int ds_stage = q % DS_STAGES;
     uint32_t* ds32 = reinterpret_cast<uint32_t*>(ds_smem + ds_stage * DS_TILES * DS_TILE);
     uint32_t* pt32 = ds32 + DS_TILE * 4;  // DKV_SPLIT: P^T
     const uint64_t ds_tile_desc = ds_desc + ds_stage * DS_TILES * DS_TILE;
@@ -406,13 +583,18 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
       if (i > 0) named_barrier(4 + (wg ^ 1), CONSUMERS);
     }
 {% endif %}
+    {
+      // PERSISTENT: the lane through opaque(), so the swizzled offsets are recomputed each tile
+      // (two ALU ops a store) instead of held through the item loop, where they spilled.
+      const int ds_lane = PERSISTENT ? opaque(lane) : lane, sg = ds_lane / 4, sc = ds_lane % 4;
 #pragma unroll
-    for (int nt = 0; nt < Q_TILES; ++nt) {
-      ds32[DsRows::at(key0 + g, q0 / 8 + nt) * 4 + c] = pack2<T>(dp4[nt][0], dp4[nt][1]);
-      ds32[DsRows::at(key0 + g + 8, q0 / 8 + nt) * 4 + c] = pack2<T>(dp4[nt][2], dp4[nt][3]);
-      if constexpr (DKV_SPLIT) {
-        pt32[DsRows::at(key0 + g, q0 / 8 + nt) * 4 + c] = pack2<T>(s4[nt][0], s4[nt][1]);
-        pt32[DsRows::at(key0 + g + 8, q0 / 8 + nt) * 4 + c] = pack2<T>(s4[nt][2], s4[nt][3]);
+      for (int nt = 0; nt < Q_TILES; ++nt) {
+        ds32[DsRows::at(key0 + sg, q0 / 8 + nt) * 4 + sc] = pack2<T>(dp4[nt][0], dp4[nt][1]);
+        ds32[DsRows::at(key0 + sg + 8, q0 / 8 + nt) * 4 + sc] = pack2<T>(dp4[nt][2], dp4[nt][3]);
+        if constexpr (DKV_SPLIT) {
+          pt32[DsRows::at(key0 + sg, q0 / 8 + nt) * 4 + sc] = pack2<T>(s4[nt][0], s4[nt][1]);
+          pt32[DsRows::at(key0 + sg + 8, q0 / 8 + nt) * 4 + sc] = pack2<T>(s4[nt][2], s4[nt][3]);
+        }
       }
     }
     uint32_t da[DKV_SPLIT ? 1 : BLOCK_M / 16][4];
@@ -532,12 +714,15 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
       wgmma_wait<1>();  // dV and dQ done; dK runs on under the atomics
       wgmma_pin(dq);
       if constexpr (DQ_STAGES > 0) {
-        const int row = (warp % 4) * 16 + g;  // this thread's dQ rows: row, row + 8
         // Hand dQ to the bulk add: into buffer i % 2 once tile i - 2's was read, float4 f of row
         // r at f ^ (r % 8) with r the accumulator row (DQ_SWIZZLE): a warp's 8 rows x 4 lanes
-        // then write 256 bytes in two conflict-free wavefronts.
-        const int b = i % DQ_STAGES;
-        if (i >= DQ_STAGES) mbarrier_wait(&dq_empty[b], (i / DQ_STAGES + 1) & 1);
+        // then write 256 bytes in two conflict-free wavefronts. PERSISTENT: the lane through
+        // opaque(), as for dS^T (the offsets depend on the item's row0: hoisted, they spilled).
+        const int dq_lane = PERSISTENT ? opaque(lane) : lane, c = dq_lane % 4;
+        const int row = (warp % 4) * 16 + dq_lane / 4;  // this thread's dQ rows: row, row + 8
+        const int b = q % DQ_STAGES;
+        if (q >= DQ_STAGES) mbarrier_wait(&dq_empty[b], (q / DQ_STAGES + 1) & 1);
+        if (PERSISTENT && i == 0 && done > 0) mbarrier_wait(&stored, (done - 1) & 1);  // the buffers staged dK / dV
         float* buf = dq_smem + b * DQ_TILE;
         const int x = static_cast<int>((row0 + m * BLOCK_M + row) & 7);  // rows row and row + 8 alike
 #pragma unroll
@@ -572,10 +757,29 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   allow_dependent_launch();
 
   // Epilogue: dK (times scale) and dV through the Q / dO buffers (free once the copies landed
-  // and both warpgroups are done with their last tile).
-  cp_async_wait<0>();
-  named_barrier(2, CONSUMERS);
-  store_dk_dv<D_TILES, CONSUMERS>(p, w, dk4, dv4, key0, g, c, [wg](int t) { return DKV_SPLIT ? wg * D_TILES + t : t; },
-                                  q_smem, tid,
-                                  [] { named_barrier(2, CONSUMERS); });
+  // and both warpgroups are done with their last tile). PERSISTENT: K / V are free for the next
+  // item's copies now; dK / dV are only staged, in the dQ buffers (once the last two bulk adds
+  // read them and the storer read out the last item's), for the storer warp.
+  if constexpr (PERSISTENT) {
+    if (lane == 0) mbarrier_arrive(&kv_empty);
+    const int n = ring + tiles;  // dQ hand-offs so far
+    if (n >= 1) mbarrier_wait(&dq_empty[(n - 1) % DQ_STAGES], ((n - 1) / DQ_STAGES) & 1);
+    if (n >= 2) mbarrier_wait(&dq_empty[(n - 2) % DQ_STAGES], ((n - 2) / DQ_STAGES) & 1);
+    if (done > 0) mbarrier_wait(&stored, (done - 1) & 1);
+    const int elane = opaque(lane);
+    stage_dk_dv<Tiles>(p, dk4, dv4, key0, elane / 4, elane % 4, [](int t) { return t; },
+                       reinterpret_cast<uint4*>(dq_smem));
+    fence_proxy_async_shared();  // for the TMA stores' (async proxy) reads
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(&staged);
+  } else {
+    cp_async_wait<0>();
+    named_barrier(2, CONSUMERS);
+    store_dk_dv<D_TILES, CONSUMERS>(p, w, dk4, dv4, key0, g, c,
+                                    [wg](int t) { return DKV_SPLIT ? wg * D_TILES + t : t; }, q_smem, tid,
+                                    [] { named_barrier(2, CONSUMERS); });
+  }
+  ITEM_END
 }
+#undef ITEM_BEGIN
+#undef ITEM_END
