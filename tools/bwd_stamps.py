@@ -8,6 +8,8 @@ compile:
                                                      # backward for sm_90a, pack stamps-pack.tar.gz
   python3 tools/bwd_stamps.py run --tree /tmp/stamps # on the H200 (seed: stamps-pack.tar.gz and the
                                                      # forward's kernels, e.g. the GPU tests' pack)
+  python3 tools/bwd_stamps.py run --tree /tmp/stamps --persistent  # the persistent variant: a
+                                                     # record is each CTA's last item's
 
 What the copy's kernel records (thread 0 of each CTA unless said; `clock()` of its SM, two
 `%globaltimer` reads for the clock rate and the per-SM timeline) into a 160-word record a CTA,
@@ -41,6 +43,7 @@ head_dim = [64, 128]
 dtype = "bfloat16"
 wgmma = true
 producer = true
+persistent = [false, true]
 """
 RECORD = 400  # 32-bit words a CTA
 MAX_CTAS = 16384
@@ -53,37 +56,45 @@ KERNEL_EDITS = [
      "  unsigned long long t; asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t)); return t; }\n"
      "__device__ __forceinline__ unsigned stamp_smid() { unsigned r; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(r)); return r; }\n"
      "__global__ void __launch_bounds__(THREADS, 1) varlen_bwd("),
-    ("  Work w;\n  if (!decode_work(p, w)) return;",
+    ("  const BwdParams& p = args.p;\n",
+     "  const BwdParams& p = args.p;\n"
      f"  unsigned* ST = g_stamps + (blockIdx.x % {MAX_CTAS}) * {RECORD};\n"
      "  if (threadIdx.x == 0) { const unsigned long long t = stamp_gtime(); ST[0] = unsigned(t); ST[1] = unsigned(t >> 32);\n"
-     "    ST[2] = clock(); ST[8] = stamp_smid(); }\n"
+     "    ST[2] = clock(); ST[8] = stamp_smid(); }\n"),
+    ("  Work w;  // the CTA's one work item (PERSISTENT: each role decodes its items itself)\n"
+     "  if (!decode_work(p, w)) return;",
      "  Work w;\n  if (!decode_work(p, w)) return;\n"
      "  if (threadIdx.x == 0) ST[9] = w.m_end - w.m_begin;"),
-    ("        bulk_wait<0, false>();\n      }\n      allow_dependent_launch();\n      return;",
-     "        bulk_wait<0, false>();\n        ST[11] = clock();\n      }\n"
+    # persistent: the record is the CTA's last item's (its tile count here, its tiles' stamps below)
+    ("  if constexpr (PERSISTENT) mbarrier_wait(&kv_full, done & 1);  // this item's K / V copied",
+     "  if constexpr (PERSISTENT) mbarrier_wait(&kv_full, done & 1);  // this item's K / V copied\n"
+     "  if (PERSISTENT && tid == 0) ST[9] = tiles;"),
+    ("        ITEM_END\n        bulk_wait<0, false>();\n      } else if",
+     "        ITEM_END\n        bulk_wait<0, false>();\n        ST[11] = clock();\n      } else if"),
+    ("      allow_dependent_launch();\n      return;",
      "      if (warp == LOADER_WARP && lane == 0) ST[10] = clock();\n      allow_dependent_launch();\n      return;"),
     ("    named_barrier(INIT_BAR, THREADS);  // every compute thread's K and V copies landed; the barriers initialized\n  }",
      "    named_barrier(INIT_BAR, THREADS);  // every compute thread's K and V copies landed; the barriers initialized\n"
      "    if (tid == 0) ST[3] = clock();\n  }"),
-    ("      mbarrier_wait(&full[stage], (i / STAGES) & 1);",
+    ("      mbarrier_wait(&full[stage], (q / STAGES) & 1);",
      "      if (tid == 0 && i < 64) ST[80 + i] = clock();\n"
-     "      mbarrier_wait(&full[stage], (i / STAGES) & 1);\n"
+     "      mbarrier_wait(&full[stage], (q / STAGES) & 1);\n"
      "      if (tid == 0 && i < 64) ST[16 + i] = clock();"),
     ("    named_barrier(1, CONSUMERS);  // both warpgroups' dS^T written",
      "    if (tid == 0 && i < 64) ST[144 + i] = clock();\n"
      "    named_barrier(1, CONSUMERS);  // both warpgroups' dS^T written\n"
      "    if (tid == 0 && i < 64) ST[208 + i] = clock();"),
-    ("        if (i >= DQ_STAGES) mbarrier_wait(&dq_empty[b], (i / DQ_STAGES + 1) & 1);",
+    ("        if (q >= DQ_STAGES) mbarrier_wait(&dq_empty[b], (q / DQ_STAGES + 1) & 1);",
      "        if (tid == 0 && i < 64) ST[272 + i] = clock();\n"
-     "        if (i >= DQ_STAGES) mbarrier_wait(&dq_empty[b], (i / DQ_STAGES + 1) & 1);\n"
+     "        if (q >= DQ_STAGES) mbarrier_wait(&dq_empty[b], (q / DQ_STAGES + 1) & 1);\n"
      "        if (tid == 0 && i < 64) ST[336 + i] = clock();"),
     ("  allow_dependent_launch();\n\n  // Epilogue",
      "  if (tid == 0) ST[4] = clock();\n  if (tid == 128) ST[13] = clock();\n"
      "  allow_dependent_launch();\n\n  // Epilogue"),
-    ("                                  [] { named_barrier(2, CONSUMERS); });\n}",
-     "                                  [] { named_barrier(2, CONSUMERS); });\n"
+    ("                                    [] { named_barrier(2, CONSUMERS); });\n  }",
+     "                                    [] { named_barrier(2, CONSUMERS); });\n  }\n"
      "  if (tid == 0) { ST[5] = clock(); const unsigned long long t = stamp_gtime(); ST[6] = unsigned(t);\n"
-     "    ST[7] = unsigned(t >> 32); }\n}"),
+     "    ST[7] = unsigned(t >> 32); }"),
 ]
 LAUNCH_ANCHOR = ("    launch_dependent(varlen_bwd_post, dim3(static_cast<unsigned>((rows * CHUNKS + 255) / 256)), "
                  "256, stream, p);\n{% endif %}")
@@ -128,13 +139,17 @@ def build(out: Path) -> None:
     print(f"instrumented tree in {out}; seed pack {out / 'stamps-pack.tar.gz'}")
 
 
-def run(tree: Path, dims: list[int]) -> None:
+def run(tree: Path, dims: list[int], persistent: bool = False) -> None:
     sys.path.insert(0, str(tree))
     import numpy as np
     import torch
     import jitattn
     if not Path(jitattn.__file__).resolve().is_relative_to(tree.resolve()):
         sys.exit(f"bwd_stamps: jitattn imported from {jitattn.__file__}, not from {tree}")
+    if persistent:  # a CTA per SM: each record is its last item's (prologue lines: the CTA's start)
+        from jitattn.varlen import backward_launch
+        backward_launch.PERSISTENT_HEAD_DIMS = frozenset({64, 128})
+        backward_launch._kernels.clear()
     path = str(tree / "stamps.bin")
     wrap = 1 << 32
     for head_dim in dims:
@@ -158,6 +173,8 @@ def run(tree: Path, dims: list[int]) -> None:
             torch.cuda.synchronize()
             del os.environ["JITATTN_STAMPS"]
             ctas = batch * heads * (seq // 128)
+            if persistent:
+                ctas = min(ctas, torch.cuda.get_device_properties(0).multi_processor_count)
             S = np.fromfile(path, dtype=np.uint32).reshape(-1, RECORD)[:ctas].astype(np.int64)
             cycles = lambda a, b: (S[:, b] - S[:, a]) % wrap
             t0, t1 = S[:, 0] + (S[:, 1] << 32), S[:, 6] + (S[:, 7] << 32)
@@ -206,11 +223,12 @@ def main() -> None:
     r = sub.add_parser("run", help="one stamped training step per shape (GPU)")
     r.add_argument("--tree", type=Path, required=True)
     r.add_argument("--dims", nargs="*", type=int, default=[128, 64])
+    r.add_argument("--persistent", action="store_true", help="the persistent variant (records: each CTA's last item)")
     args = ap.parse_args()
     if args.command == "build":
         build(args.out)
     else:
-        run(args.tree, args.dims)
+        run(args.tree, args.dims, args.persistent)
 
 
 if __name__ == "__main__":
