@@ -50,7 +50,7 @@ __device__ __forceinline__ int first_launched_tile(int n_tiles, const BwdParams&
   return max(0, n_tiles - p.num_n_blocks);
 }
 
-// Work item `index` (a CTA's blockIdx.x, or a persistent CTA's round's item).
+// Work item `index` (a CTA's blockIdx.x, or an item a persistent CTA took).
 __device__ __forceinline__ bool decode_work(const BwdParams& p, Work& w, unsigned index) {
   const int per_j = p.num_seqs * p.num_heads_kv;
   const int J = p.num_n_blocks;

@@ -297,9 +297,11 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   // PERSISTENT: the loader takes the work items: the CTA's own block index first, then the next
   // of a counter past the grid whenever it starts another, so the CTA that finishes first takes
   // the next item, as the hardware launches blocks without PERSISTENT. CTAs on neighbouring key
-  // tiles of one (sequence, KV head) then stay in step and share their Q / dO tiles in L2; a
-  // static split drifted apart (measured 5-10% slower at D128, full). Every other warp reads the
-  // item the loader published (whole_warp: all 32 lanes read it).
+  // tiles of one (sequence, KV head) stay close in time and can share their Q / dO tiles in L2
+  // (a static snake over the grid measured within 1-3% of this, both behind a CTA per key tile
+  // at D128: notes/backward-h200.md). Every other warp reads the item the loader published
+  // (whole_warp: all 32 lanes read it).
+{% if persistent %}
   auto published_item = [&](int n, bool whole_warp) {
     const int slot = n % 2;
     mbarrier_wait(&item_full[slot], (n / 2) & 1);
@@ -308,6 +310,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     if (lane == 0) mbarrier_arrive(&item_empty[slot]);
     return item;
   };
+{% endif %}
   // With PRODUCER the compute warps copy K and V, and the loader starts on the first query
   // tiles at once instead of after K and V landed (their two memory latencies then overlap).
   if (!PRODUCER || warp < LOADER_WARP) {
@@ -335,6 +338,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
         // Query tile i of an item (the ring's q-th) into stage q % STAGES once the compute warps
         // freed it. PERSISTENT: first the item's K / V, once the compute warps are done with the
         // last item's, published after its first query tile went out.
+{% if persistent %}
         int next = static_cast<int>(blockIdx.x);
         auto fetch_item = [&] {  // the next item past the grid, or -1
           if (static_cast<int>(gridDim.x) >= args.items) return -1;
@@ -361,6 +365,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
           }
           return next;
         };
+{% endif %}
         ITEM_BEGIN(take)
         auto publish_kv = [&] {
           if constexpr (PERSISTENT) {
