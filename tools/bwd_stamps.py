@@ -96,8 +96,8 @@ KERNEL_EDITS = [
      "  if (tid == 0) { ST[5] = clock(); const unsigned long long t = stamp_gtime(); ST[6] = unsigned(t);\n"
      "    ST[7] = unsigned(t >> 32); }"),
 ]
-LAUNCH_ANCHOR = ("    launch_dependent(varlen_bwd_post, dim3(static_cast<unsigned>((rows * CHUNKS + 255) / 256)), "
-                 "256, stream, p);\n{% endif %}")
+LAUNCH_ANCHOR = ("    launch_dependent(varlen_bwd_post, dim3(static_cast<unsigned>(post_ctas(p))), POST_THREADS, stream, p);\n"
+                 "{% endif %}")
 LAUNCH_DUMP = f"""
 {{% if wgmma %}}
     if (const char* path = getenv("JITATTN_STAMPS")) {{  // bwd_stamps: the records of this launch

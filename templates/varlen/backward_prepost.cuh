@@ -85,21 +85,52 @@ __global__ void __launch_bounds__(PRE_THREADS) varlen_bwd_pre(const BwdParams p)
 }
 
 {% if not dq_kernel %}
+// Row `row` = token * H_q + head of a (T_q, H_q, D) tensor: its token and head, by a 32-bit
+// division where every row fits (a 64-bit one is a long software sequence).
+__device__ __forceinline__ void token_head(const BwdParams& p, int64_t row, int& token, int& head) {
+  const bool narrow = int64_t(p.total_q) * p.num_heads_q <= int64_t(UINT_MAX);
+  token = static_cast<int>(narrow ? int64_t(unsigned(row) / unsigned(p.num_heads_q)) : row / p.num_heads_q);
+  head = static_cast<int>(row - int64_t(token) * p.num_heads_q);
+}
+
 // dQ = scale * accumulator, in q's dtype, for every (token, head) (DQ_SWIZZLE: its float4s
-// permuted within the row, as the main kernel's bulk add left them).
-__global__ void __launch_bounds__(256) varlen_bwd_post(const BwdParams p) {
+// permuted within the row, as the main kernel's bulk add left them). A thread converts
+// POST_UNROLL 16-byte chunks of dq, POST_THREADS apart, all its loads issued before its first
+// store (more bytes in flight per thread: the kernel is a stream).
+constexpr int POST_THREADS = 256, POST_UNROLL = 4;
+inline int64_t post_ctas(const BwdParams& p) {
+  const int64_t chunks = int64_t(p.total_q) * p.num_heads_q * CHUNKS;
+  return (chunks + POST_THREADS * POST_UNROLL - 1) / (POST_THREADS * POST_UNROLL);
+}
+
+__global__ void __launch_bounds__(POST_THREADS) varlen_bwd_post(const BwdParams p) {
   wait_for_prerequisite_grid();
-  const int64_t idx = int64_t(blockIdx.x) * 256 + threadIdx.x;
-  const int64_t row = idx / CHUNKS;
-  if (row >= int64_t(p.total_q) * p.num_heads_q) return;
-  const int chunk = static_cast<int>(idx - row * CHUNKS);
-  const int token = static_cast<int>(row / p.num_heads_q), head = static_cast<int>(row - int64_t(token) * p.num_heads_q);
-  const int64_t prow = packed_row(p, token, head);
-  const float4* src = reinterpret_cast<const float4*>(p.dq_accum + prow * HEAD_DIM);
-  const int x = DQ_SWIZZLE ? static_cast<int>(prow & 7) : 0;  // float4 f of the row sits at f ^ x
-  const float4 x0 = src[(2 * chunk) ^ x], x1 = src[(2 * chunk + 1) ^ x];
-  const float vals[8] = {x0.x * p.scale, x0.y * p.scale, x0.z * p.scale, x0.w * p.scale,
-                         x1.x * p.scale, x1.y * p.scale, x1.z * p.scale, x1.w * p.scale};
-  store_floats<T, 8>(static_cast<T*>(p.dq) + token * p.dq_stride_token + head * p.dq_stride_head + chunk * 8, vals);
+  const int64_t rows = int64_t(p.total_q) * p.num_heads_q;
+  const int64_t first = int64_t(blockIdx.x) * (POST_THREADS * POST_UNROLL) + threadIdx.x;
+  float4 lo[POST_UNROLL], hi[POST_UNROLL];
+  T* dst[POST_UNROLL];
+#pragma unroll
+  for (int u = 0; u < POST_UNROLL; ++u) {
+    const int64_t idx = first + u * POST_THREADS;
+    dst[u] = nullptr;
+    if (idx >= rows * CHUNKS) continue;
+    const int64_t row = idx / CHUNKS;
+    const int chunk = static_cast<int>(idx - row * CHUNKS);
+    int token, head;
+    token_head(p, row, token, head);
+    const int64_t prow = packed_row(p, token, head);
+    const float4* src = reinterpret_cast<const float4*>(p.dq_accum + prow * HEAD_DIM);
+    const int x = DQ_SWIZZLE ? static_cast<int>(prow & 7) : 0;  // float4 f of the row sits at f ^ x
+    lo[u] = src[(2 * chunk) ^ x];
+    hi[u] = src[(2 * chunk + 1) ^ x];
+    dst[u] = static_cast<T*>(p.dq) + token * p.dq_stride_token + head * p.dq_stride_head + chunk * 8;
+  }
+#pragma unroll
+  for (int u = 0; u < POST_UNROLL; ++u) {
+    if (!dst[u]) continue;
+    const float vals[8] = {lo[u].x * p.scale, lo[u].y * p.scale, lo[u].z * p.scale, lo[u].w * p.scale,
+                           hi[u].x * p.scale, hi[u].y * p.scale, hi[u].z * p.scale, hi[u].w * p.scale};
+    store_floats<T, 8>(dst[u], vals);
+  }
 }
 {% endif %}
