@@ -111,8 +111,10 @@ static_assert(2 * STAGES * QT_CHUNKS >= 2 * BLOCK_N * ROW_CHUNKS, "the dK / dV e
 // epilogue (~2 µs at D128) leave the critical path. The staging is the dQ hand-off buffers
 // (free once the last bulk add read them; the next item's first hand-off waits for the
 // storer), not the Q / dO stages the loader is filling; the stage and dQ-buffer rings run on
-// across items (`ring`: the query tiles of earlier items). K / V come by the loader's cp.async
-// (zero past the keys), on kv_full / kv_empty; the staging on staged / stored.
+// across items (`ring`: the query tiles of earlier items). K / V come by the loader's TMA (a
+// partial tile, zeros past the keys, by its cp.async), on kv_full / kv_empty, issued after the
+// item's first query tile so that both land while the compute warps stage the last item's dK /
+// dV; the staging on staged / stored.
 static_assert(!PERSISTENT || (PRODUCER && !DKV_SPLIT && DQ_STAGES > 0), "persistent: the producer and the dQ bulk add");
 static_assert(!PERSISTENT || 2 * BLOCK_N * ROW_CHUNKS * 16 <= DQ_STAGES * DQ_TILE * 4,
               "persistent: the dK / dV epilogue stages in the dQ hand-off buffers");
@@ -127,6 +129,9 @@ __device__ __forceinline__ int opaque(int v) {
   asm volatile("mov.b32 %0, %0;" : "+r"(v));
   return v;
 }
+// A lane index through opaque(), its range (0..31) restated: / 4 and % 4 stay a shift and an
+// and (the compiler's signed-division fix-ups were 9 instructions a tile).
+__device__ __forceinline__ int opaque_lane(int lane) { return opaque(lane) & 31; }
 
 using Tiles = AtomSwizzle<ROW_CHUNKS>;
 using DsRows = RowSwizzle<DS_CHUNKS>;  // = AtomSwizzle<8>
@@ -152,6 +157,12 @@ struct BwdMain {
   int tma;
   int tma_store;  // dk_map / dv_map encoded (else the storer warp copies with 16-byte stores)
   int items;  // work items: key tiles x KV heads x sequences (the grid's size unless PERSISTENT)
+{% if persistent %}
+  // PERSISTENT: K / V as 5-D maps (64 columns x 8 tokens x D / 64 atoms x BLOCK_N / 8 groups x
+  // KV head: a box lands in Tiles' order), for the loader's one-thread copies of whole key tiles.
+  CUtensorMap k_map, v_map;
+  int tma_kv;  // both encoded (else, and for a sequence's partial last tile, the loader's cp.async)
+{% endif %}
 };
 
 // The host side of BwdMain: encodes the maps where the shape allows.
@@ -195,6 +206,26 @@ inline BwdMain main_kernel_args(const BwdParams& p) {
   };
   a.tma_store = encode_out(&a.dk_map, p.dk, p.dk_stride_token, p.dk_stride_head) &&
                 encode_out(&a.dv_map, p.dv, p.dv_stride_token, p.dv_stride_head);
+{% if persistent %}
+  // Only whole key tiles go by these maps: a box's 8-token groups step past dims[1], which
+  // bounds the first token only, so a tile must lie inside its sequence's keys.
+  auto encode_kv = [&](CUtensorMap* map, const void* base, int64_t stride_token, int64_t stride_head) {
+    if (p.num_heads_kv == 1) stride_head = HEAD_DIM;  // unused, but must be a valid stride
+    const bool fits = reinterpret_cast<uintptr_t>(base) % 16 == 0 && stride_token > 0 && stride_head > 0 &&
+                      (stride_token * e) % 16 == 0 && (stride_head * e) % 16 == 0 && p.total_k > 0;
+    if (!encode || !fits) return false;
+    const cuuint64_t dims[5] = {64, cuuint64_t(p.total_k), HEAD_DIM / 64, BLOCK_N / 8, cuuint64_t(p.num_heads_kv)};
+    const cuuint64_t strides[4] = {cuuint64_t(stride_token * e), 128, cuuint64_t(8 * stride_token * e),
+                                   cuuint64_t(stride_head * e)};
+    const cuuint32_t box[5] = {64, 8, HEAD_DIM / 64, BLOCK_N / 8, 1};
+    const cuuint32_t unit5[5] = {1, 1, 1, 1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 5, const_cast<void*>(base), dims, strides, box, unit5,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  };
+  a.tma_kv = encode_kv(&a.k_map, p.k, p.k_stride_token, p.k_stride_head) &&
+             encode_kv(&a.v_map, p.v, p.v_stride_token, p.v_stride_head);
+{% endif %}
   return a;
 }
 
@@ -236,7 +267,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   // one item, decoded above.
 {% if persistent %}
 #define ITEM_BEGIN(take)                                                                    \
-  for (int done = 0, ring = 0;; ++done) {                                                   \
+  for (unsigned done = 0, ring = 0;; ++done) {                                              \
     const int item = take(done);                                                            \
     if (item < 0) break;                                                                    \
     Work w;                                                                                 \
@@ -305,8 +336,10 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   auto published_item = [&](int n, bool whole_warp) {
     const int slot = n % 2;
     mbarrier_wait(&item_full[slot], (n / 2) & 1);
-    const int item = item_slot[slot];
-    if (whole_warp) __syncwarp();
+    int item = item_slot[slot];
+    // whole_warp: through a shuffle, so the compiler knows it is warp-uniform and keeps the
+    // item's Work in uniform registers, as a CTA's one item from blockIdx.
+    if (whole_warp) item = __shfl_sync(0xffffffffu, item, 0);
     if (lane == 0) mbarrier_arrive(&item_empty[slot]);
     return item;
   };
@@ -367,22 +400,33 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
         };
 {% endif %}
         ITEM_BEGIN(take)
-        auto publish_kv = [&] {
-          if constexpr (PERSISTENT) {
+{% if persistent %}
+        // The item's K / V once the compute warps are done with the last item's (kv_empty), after
+        // its first query tile (whose stage is free a tile earlier): whole tiles by two TMA boxes
+        // on kv_full, so they land while the compute warps stage the last item's dK / dV; a
+        // partial last tile (zeros past the keys) by the warp's cp.async.
+        auto copy_kv = [&] {
+          if (done > 0) mbarrier_wait(&kv_empty, (done - 1) & 1);
+          if (args.tma_kv && w.n0 + BLOCK_N <= w.k_len) {
+            if (lane == 0) {
+              mbarrier_arrive_expect_tx(&kv_full, 2 * KV_CHUNKS * 16);
+              tma_load_5d(k_smem, &args.k_map, &kv_full, 0, w.k_start + w.n0, 0, 0, w.kv_head);
+              tma_load_5d(v_smem, &args.v_map, &kv_full, 0, w.k_start + w.n0, 0, 0, w.kv_head);
+            }
+          } else {
+            load_kv<Tiles, 32>(p, w, k_smem, v_smem, lane);
+            cp_async_commit();
             cp_async_wait<0>();
             fence_proxy_async_shared();  // for wgmma's (async proxy) reads
             __syncwarp();
             if (lane == 0) mbarrier_arrive(&kv_full);
           }
         };
-        if constexpr (PERSISTENT) {
-          if (done > 0) mbarrier_wait(&kv_empty, (done - 1) & 1);
-          load_kv<Tiles, 32>(p, w, k_smem, v_smem, lane);
-          cp_async_commit();
-          if (tiles == 0) publish_kv();
-        }
+        if (tiles == 0) copy_kv();
+{% endif %}
         for (int i = 0; i < tiles; ++i) {
-          const int q = ring + i, s = q % STAGES, m = w.m_begin + i;
+          const auto q = ring + i;  // unsigned when PERSISTENT: the rings' % and / are bit ops
+          const int s = q % STAGES, m = w.m_begin + i;
           if (q >= STAGES) mbarrier_wait(&empty[s], (q / STAGES + 1) & 1);
           float* st = stats + s * 2 * BLOCK_M;
           // A sequence's last tile, when partial, by cp.async: its rows past the sequence must
@@ -426,7 +470,9 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
             fence_proxy_async_shared();  // for wgmma's (async proxy) reads
           }
           mbarrier_arrive(&full[s]);
-          if (i == 0) publish_kv();
+{% if persistent %}
+          if (i == 0) copy_kv();
+{% endif %}
         }
         ITEM_END
       } else if (DQ_STAGES > 0 && warp == WRITER_WARP && lane == 0) {
@@ -436,7 +482,8 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
         wait_for_prerequisite_grid();  // the preprocess zeroed the accumulator
         ITEM_BEGIN([&](int n) { return published_item(n, false); })
         for (int i = 0; i < tiles; ++i) {
-          const int q = ring + i, b = q % DQ_STAGES, m = w.m_begin + i;
+          const auto q = ring + i;
+          const int b = q % DQ_STAGES, m = w.m_begin + i;
           mbarrier_wait(&dq_full[b], (q / DQ_STAGES) & 1);
           int* sem = p.semaphores ? dq_semaphore(p, w, m) : nullptr;
           if (sem) {
@@ -519,7 +566,9 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   auto& dv4 = reinterpret_cast<float(&)[D_TILES][4]>(dv);
 
   for (int m = w.m_begin; m < w.m_end; ++m) {
-    const int i = m - w.m_begin, q = ring + i, stage = q % STAGES;  // q: the tile's place in the rings
+    const int i = m - w.m_begin;
+    const auto q = ring + i;  // the tile's place in the rings (PERSISTENT: unsigned, so % and / are bit ops)
+    const int stage = q % STAGES;
     if constexpr (PRODUCER) {
       mbarrier_wait(&full[stage], (q / STAGES) & 1);
     } else {
@@ -591,7 +640,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     {
       // PERSISTENT: the lane through opaque(), so the swizzled offsets are recomputed each tile
       // (two ALU ops a store) instead of held through the item loop, where they spilled.
-      const int ds_lane = PERSISTENT ? opaque(lane) : lane, sg = ds_lane / 4, sc = ds_lane % 4;
+      const int ds_lane = PERSISTENT ? opaque_lane(lane) : lane, sg = ds_lane / 4, sc = ds_lane % 4;
 #pragma unroll
       for (int nt = 0; nt < Q_TILES; ++nt) {
         ds32[DsRows::at(key0 + sg, q0 / 8 + nt) * 4 + sc] = pack2<T>(dp4[nt][0], dp4[nt][1]);
@@ -723,16 +772,21 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
         // r at f ^ (r % 8) with r the accumulator row (DQ_SWIZZLE): a warp's 8 rows x 4 lanes
         // then write 256 bytes in two conflict-free wavefronts. PERSISTENT: the lane through
         // opaque(), as for dS^T (the offsets depend on the item's row0: hoisted, they spilled).
-        const int dq_lane = PERSISTENT ? opaque(lane) : lane, c = dq_lane % 4;
+        const int dq_lane = PERSISTENT ? opaque_lane(lane) : lane, c = dq_lane % 4;
         const int row = (warp % 4) * 16 + dq_lane / 4;  // this thread's dQ rows: row, row + 8
         const int b = q % DQ_STAGES;
         if (q >= DQ_STAGES) mbarrier_wait(&dq_empty[b], (q / DQ_STAGES + 1) & 1);
         if (PERSISTENT && i == 0 && done > 0) mbarrier_wait(&stored, (done - 1) & 1);  // the buffers staged dK / dV
         float* buf = dq_smem + b * DQ_TILE;
         const int x = static_cast<int>((row0 + m * BLOCK_M + row) & 7);  // rows row and row + 8 alike
+        // f ^ x for f = wg * DQ_N / 4 + 2j + c / 2: x < 8 only flips f's low three bits, which
+        // are (2j % 8) | c / 2, so f ^ x = wg * DQ_N / 4 + 2j - 2j % 8 + ((2j % 8) ^ y) with
+        // y = c / 2 ^ x: four values a tile (recomputed cheaply where PERSISTENT holds nothing).
+        static_assert(DQ_N % 32 == 0, "wg * DQ_N / 4 keeps the low three bits clear");
+        const int y = ((c >> 1) & 1) ^ x;
 #pragma unroll
         for (int j = 0; j < DQ_N / 8; ++j) {
-          const int f = ((wg * DQ_N + j * 8) / 4 + c / 2) ^ x;
+          const int f = wg * (DQ_N / 4) + ((2 * j) & ~7) + (((2 * j) & 7) ^ y);
           *reinterpret_cast<float2*>(buf + row * HEAD_DIM + f * 4 + (c & 1) * 2) = make_float2(dq4[j][0], dq4[j][1]);
           *reinterpret_cast<float2*>(buf + (row + 8) * HEAD_DIM + f * 4 + (c & 1) * 2) = make_float2(dq4[j][2], dq4[j][3]);
         }
@@ -767,11 +821,11 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   // read them and the storer read out the last item's), for the storer warp.
   if constexpr (PERSISTENT) {
     if (lane == 0) mbarrier_arrive(&kv_empty);
-    const int n = ring + tiles;  // dQ hand-offs so far
+    const auto n = ring + tiles;  // dQ hand-offs so far
     if (n >= 1) mbarrier_wait(&dq_empty[(n - 1) % DQ_STAGES], ((n - 1) / DQ_STAGES) & 1);
     if (n >= 2) mbarrier_wait(&dq_empty[(n - 2) % DQ_STAGES], ((n - 2) / DQ_STAGES) & 1);
     if (done > 0) mbarrier_wait(&stored, (done - 1) & 1);
-    const int elane = opaque(lane);
+    const int elane = opaque_lane(lane);
     stage_dk_dv<Tiles>(p, dk4, dv4, key0, elane / 4, elane % 4, [](int t) { return t; },
                        reinterpret_cast<uint4*>(dq_smem));
     fence_proxy_async_shared();  // for the TMA stores' (async proxy) reads
