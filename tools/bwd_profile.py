@@ -8,6 +8,7 @@ kernel end) and the idle time between its kernels. The benchmarks' "backward" (f
 backward minus forward) is the span less the forward kernels'.
 
   python3 tools/bwd_profile.py --dims 128 64 --steps 3
+  python3 tools/bwd_profile.py --dims 128 --timeline   # + each launch's start / end (PDL overlap)
 """
 from __future__ import annotations
 
@@ -40,13 +41,15 @@ def kernels_of(step) -> list[tuple[str, float, float]]:
     return sorted(out, key=lambda k: k[1])
 
 
-def report(label: str, steps: list) -> None:
+def report(label: str, steps: list, timeline: bool = False) -> None:
     runs = [kernels_of(s) for s in steps]
     per_name = defaultdict(list)
+    offsets = defaultdict(list)  # name -> (start, end) from the step's first kernel start, per launch
     spans, idles = [], []
     for kernels in runs:
         totals = defaultdict(lambda: [0, 0.0])
-        for name, start, end in kernels:
+        for i, (name, start, end) in enumerate(kernels):
+            offsets[(i, name)].append((start - kernels[0][1], end - kernels[0][1]))
             totals[name][0] += 1
             totals[name][1] += end - start
         for name, (count, us) in totals.items():
@@ -65,6 +68,11 @@ def report(label: str, steps: list) -> None:
         us = statistics.median(u for _, u in per_name[name])
         short = name if len(name) <= 90 else name[:87] + "..."
         print(f"  {us:9.1f} us  x{max(counts)}  {short}", flush=True)
+    if timeline:  # overlap between kernels (PDL): each launch's start / end in the step, medians
+        print("  timeline (us from the step's first kernel start):")
+        for (i, name), spans in sorted(offsets.items()):
+            short = name if len(name) <= 70 else name[:67] + "..."
+            print(f"    {statistics.median(s for s, _ in spans):9.1f} .. {statistics.median(e for _, e in spans):9.1f}  {short}")
 
 
 def main():
@@ -72,6 +80,7 @@ def main():
     ap.add_argument("--dims", nargs="*", type=int, default=[128])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--timeline", action="store_true", help="each launch's start / end within the step")
     args = ap.parse_args()
     batch, seq, heads = 8, 4096, 32
     cu_seq = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * seq
@@ -91,7 +100,8 @@ def main():
                     call(s).backward(s[1])
                 for s in sets[:2]:
                     step(s)  # warm-up (and any first-call work)
-                report(f"D{head_dim} {'causal' if causal else 'full'} {name}", [lambda s=s: step(s) for s in sets[1:]])
+                report(f"D{head_dim} {'causal' if causal else 'full'} {name}", [lambda s=s: step(s) for s in sets[1:]],
+                       args.timeline)
             if not args.no_peers:
                 def sdpa_step(s):
                     for t in s[2]:
@@ -99,7 +109,8 @@ def main():
                     F.scaled_dot_product_attention(*s[2], is_causal=causal).backward(s[3])
                 for s in sets[:2]:
                     sdpa_step(s)
-                report(f"D{head_dim} {'causal' if causal else 'full'} SDPA", [lambda s=s: sdpa_step(s) for s in sets[1:]])
+                report(f"D{head_dim} {'causal' if causal else 'full'} SDPA", [lambda s=s: sdpa_step(s) for s in sets[1:]],
+                       args.timeline)
         del sets
         torch.cuda.empty_cache()
 

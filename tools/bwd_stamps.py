@@ -25,7 +25,8 @@ Each insertion asserts the text it anchors on, so a template change fails here, 
 `run` times one warm training step (bf16, 8 x 4096 tokens, 32 heads, full and causal) and prints
 medians over the CTAs: prologue (entry -> K / V, -> first tile), per-tile time (the first two
 tiles, which a causal walk masks, apart), the wait for the producer, epilogue, the gap between
-CTAs on an SM and how busy the SMs were over the kernel's span.
+CTAs on an SM, how busy the SMs were over the kernel's span and (a CTA per key tile) where an
+SM's span goes, summed over its CTAs: their starts, tiles, epilogues and the gaps between them.
 """
 from __future__ import annotations
 
@@ -213,6 +214,21 @@ def run(tree: Path, dims: list[int], persistent: bool = False) -> None:
             span = int(t1.max() - t0.min())
             print(f"  span {span / 1000:.0f} us, SMs busy {busy / (span * len(np.unique(sm))):.3f}, "
                   f"exit -> next entry on an SM {np.median(gaps) / 1000:.2f} us")
+            if persistent:  # one record a CTA (its last item): no per-SM sum
+                continue
+            # Where an SM's span goes, summed over its CTAs and averaged over the SMs (us): the
+            # CTAs' starts (entry -> first tile's stage ready), their tiles (the first two apart),
+            # their epilogues, the gaps between CTAs, and the idle head / tail of the span.
+            sms = len(np.unique(sm))
+            walked = (tiles >= 1) & (tiles <= 64)
+            start = cycles(2, 16)[walked].sum() / ghz / 1000 / sms
+            loop = cycles(16, 4)[walked].sum() / ghz / 1000 / sms
+            first_two = np.sum(first) / ghz / 1000 / sms
+            epilogue = cycles(4, 5)[walked].sum() / ghz / 1000 / sms
+            edges = sum(int(t0[sm == s].min() - t0.min()) + int(t1.max() - t1[sm == s].max()) for s in np.unique(sm))
+            print(f"  an SM's span: CTA starts {start:.0f}, tiles {loop:.0f} (the first two of each CTA "
+                  f"{first_two:.0f}), epilogues {epilogue:.0f}, gaps {np.sum(gaps) / 1000 / sms:.0f}, "
+                  f"idle head + tail {edges / 1000 / sms:.0f} us")
 
 
 def main() -> None:
