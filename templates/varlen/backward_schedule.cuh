@@ -122,17 +122,20 @@ struct QueryTile {
 };
 
 __device__ __forceinline__ QueryTile query_tile(const BwdParams& p, const Work& w, int m) {
-  const int pr0 = m * BLOCK_M;
-  const int r_lo = pr0 / p.pack, r_hi = (min(pr0 + BLOCK_M, w.rows) - 1) / p.pack;
+  const int pr0 = m * BLOCK_M, pr_last = min(pr0 + BLOCK_M, w.rows) - 1;  // the tile's packed rows
   const int off = w.k_len - w.q_len;
   QueryTile t;
-  t.masked = w.n0 + BLOCK_N > w.k_len || (p.window_left >= 0 && w.n0 < r_hi + off - p.window_left) ||
-             (p.window_right >= 0 && w.n0 + BLOCK_N - 1 > r_lo + off + p.window_right);
+  // Its rows r_lo = pr0 / pack and r_hi = pr_last / pack against the window, without dividing
+  // (for a >= 0 and integer x: a / pack < x iff a < x * pack, a / pack > x iff a >= (x + 1) *
+  // pack): a division by the run-time pack each tile was ~4% of a causal backward (ncu).
+  t.masked = w.n0 + BLOCK_N > w.k_len ||
+             (p.window_left >= 0 && pr_last >= (int64_t(w.n0) - off + p.window_left + 1) * p.pack) ||
+             (p.window_right >= 0 && pr0 < (int64_t(w.n0) + BLOCK_N - 1 - off - p.window_right) * p.pack);
   if (w.descending) {
-    const int k_hi = min(w.k_len, r_hi + off + p.window_right + 1);  // window_right >= 0 here
+    const int k_hi = min(w.k_len, pr_last / p.pack + off + p.window_right + 1);  // window_right >= 0 here
     t.turn = min(w.n_tiles - 1, (k_hi - 1) / BLOCK_N) - w.n_block;
   } else {
-    const int k_lo = p.window_left >= 0 ? max(0, r_lo + off - p.window_left) : 0;
+    const int k_lo = p.window_left >= 0 ? max(0, pr0 / p.pack + off - p.window_left) : 0;
     t.turn = w.n_block - max(k_lo / BLOCK_N, w.t_first);
   }
   return t;
