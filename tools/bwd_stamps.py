@@ -62,7 +62,7 @@ KERNEL_EDITS = [
      f"  unsigned* ST = g_stamps + (blockIdx.x % {MAX_CTAS}) * {RECORD};\n"
      "  if (threadIdx.x == 0) { const unsigned long long t = stamp_gtime(); ST[0] = unsigned(t); ST[1] = unsigned(t >> 32);\n"
      "    ST[2] = clock(); ST[8] = stamp_smid(); }\n"),
-    ("  Work w;  // the CTA's one work item (PERSISTENT: each role decodes its items itself)\n"
+    ("  Work w;  // the CTA's one work item (PERSISTENT: the loader decodes each into item_work)\n"
      "  if (!decode_work(p, w)) return;",
      "  Work w;\n  if (!decode_work(p, w)) return;\n"
      "  if (threadIdx.x == 0) ST[9] = w.m_end - w.m_begin;"),
@@ -70,8 +70,8 @@ KERNEL_EDITS = [
     ("  if constexpr (PERSISTENT) mbarrier_wait(&kv_full, done & 1);  // this item's K / V copied",
      "  if constexpr (PERSISTENT) mbarrier_wait(&kv_full, done & 1);  // this item's K / V copied\n"
      "  if (PERSISTENT && tid == 0) ST[9] = tiles;"),
-    ("        ITEM_END\n        bulk_wait<0, false>();\n      } else if",
-     "        ITEM_END\n        bulk_wait<0, false>();\n        ST[11] = clock();\n      } else if"),
+    ("        ITEM_END(release_item)\n        bulk_wait<0, false>();\n      } else if",
+     "        ITEM_END(release_item)\n        bulk_wait<0, false>();\n        ST[11] = clock();\n      } else if"),
     ("      allow_dependent_launch();\n      return;",
      "      if (warp == LOADER_WARP && lane == 0) ST[10] = clock();\n      allow_dependent_launch();\n      return;"),
     ("    named_barrier(INIT_BAR, THREADS);  // every compute thread's K and V copies landed; the barriers initialized\n  }",

@@ -72,7 +72,7 @@ __device__ __forceinline__ void load_query_tile(const BwdParams& p, const Work& 
   for (int row = tid; row < BLOCK_M; row += THREADS_) {
     const int pr = pr0 + row;
     if (pr < w.rows) {
-      const int64_t at = int64_t(w.kv_head) * p.dq_rows + int64_t(w.q_start) * p.pack + pr;
+      const int64_t at = accum_row(p, w, pr);
       cp_async_4(stats + row, p.lse2 + at);
       cp_async_4(stats + BLOCK_M + row, p.delta + at);
     } else {
@@ -189,7 +189,7 @@ __device__ __forceinline__ void add_dq(float* row_g, float* row_g8, const float 
 // The dQ accumulator's row of packed row pr of query tile m's sequence, or nullptr past it.
 __device__ __forceinline__ float* dq_row(const BwdParams& p, const Work& w, int pr) {
   if (pr >= w.rows) return nullptr;
-  return p.dq_accum + (int64_t(w.kv_head) * p.dq_rows + int64_t(w.q_start) * p.pack + pr) * HEAD_DIM;
+  return p.dq_accum + accum_row(p, w, pr) * HEAD_DIM;
 }
 
 // Epilogue, first half: dK (times scale) and dV as T into shared memory (`staging`: 2 * BLOCK_N

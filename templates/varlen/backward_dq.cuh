@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(DQ_THREADS, 1) varlen_bwd_dq(const __grid_cons
   const int row0 = wg * 64 + (warp % 4) * 16 + g;
   const int pr0 = w.m * DQ_ROWS + row0;
   wait_for_prerequisite_grid();  // the preprocess wrote lse2 / delta
-  const int64_t stat0 = int64_t(w.kv_head) * p.dq_rows + int64_t(w.q_start) * p.pack + pr0;
+  const int64_t stat0 = accum_row(p, w, pr0);
   // Rows past the sequence: P = 0 (their dQ is never stored; this keeps them finite).
   const float lse2[2] = {pr0 < w.rows ? p.lse2[stat0] : INFINITY, pr0 + 8 < w.rows ? p.lse2[stat0 + 8] : INFINITY};
   const float delta[2] = {pr0 < w.rows ? p.delta[stat0] : 0.f, pr0 + 8 < w.rows ? p.delta[stat0 + 8] : 0.f};

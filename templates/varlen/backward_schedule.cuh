@@ -94,6 +94,14 @@ __device__ __forceinline__ bool decode_work(const BwdParams& p, Work& w) {
   return decode_work(p, w, blockIdx.x);
 }
 
+// The row of packed query row pr of work w (Work, or the dQ kernel's DqWork) in the preprocess's
+// lse2 / delta and the dQ accumulator (KV head-major: each KV head's rows are the packed rows of
+// every sequence).
+template <class AnyWork>
+__device__ __forceinline__ int64_t accum_row(const BwdParams& p, const AnyWork& w, int64_t pr) {
+  return int64_t(w.kv_head) * p.dq_rows + int64_t(w.q_start) * p.pack + pr;
+}
+
 // Whether a CTA of the main kernel writes key token `token`'s dK / dV (every KV head): the token
 // lies in its sequence's first key_len keys, at or above the lowest key tile that has a CTA. The
 // preprocess zeroes the rows of every other token (before the first sequence, past the last, past

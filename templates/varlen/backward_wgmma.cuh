@@ -122,17 +122,6 @@ static_assert(!PERSISTENT || (HEAD_DIM % 64 == 0 && BLOCK_N % 8 == 0), "persiste
 static_assert(!PERSISTENT || (2 * KV_CHUNKS + 2 * STAGES * QT_CHUNKS + DS_STAGES * DS_TILES * DS_TILE) % 64 == 0,
               "persistent: the staging (the dQ buffers) 1024-byte aligned for the TMA stores' swizzle");
 
-// `v` through a move the compiler cannot see through or hoist (volatile asm): what is computed
-// from it stays where it is used. PERSISTENT's epilogue takes its thread coordinates this way,
-// or its address math is hoisted out of the item loop and kept live (spilled) through every tile.
-__device__ __forceinline__ int opaque(int v) {
-  asm volatile("mov.b32 %0, %0;" : "+r"(v));
-  return v;
-}
-// A lane index through opaque(), its range (0..31) restated: / 4 and % 4 stay a shift and an
-// and (the compiler's signed-division fix-ups were 9 instructions a tile).
-__device__ __forceinline__ int opaque_lane(int lane) { return opaque(lane) & 31; }
-
 using Tiles = AtomSwizzle<ROW_CHUNKS>;
 using DsRows = RowSwizzle<DS_CHUNKS>;  // = AtomSwizzle<8>
 // Q / dO: 64-column blocks of all BLOCK_M rows, each block rows of one 128-byte swizzle row.
@@ -249,7 +238,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   float* dq_scratch = stats + STAGES * 2 * BLOCK_M;  // DKV_SPLIT: [warp][8 rows][DQ_SN]
 
 {% if not persistent %}
-  Work w;  // the CTA's one work item (PERSISTENT: each role decodes its items itself)
+  Work w;  // the CTA's one work item (PERSISTENT: the loader decodes each into item_work)
   if (!decode_work(p, w)) return;
 {% endif %}
   // warp through a shuffle: warp-uniform as far as the compiler can tell (FlashAttention-3's
@@ -260,29 +249,28 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   const int wg_key0 = DKV_SPLIT ? 0 : wg * WG_KEYS;  // this warpgroup's first key (the MMA's M)
   const int key0 = wg_key0 + (warp % 4) * 16;       // this warp's 16 accumulator rows (keys)
   const int q0 = DKV_SPLIT ? wg * SN : 0;           // this warpgroup's first query of S^T
-  // Each role walks its work items: ITEM_BEGIN(take) names the item's Work `w`, its query tiles
-  // and first accumulator row (tile m's rows follow at m * BLOCK_M), `ring` (the query tiles of
-  // earlier items: the rings' place) and `done` (items before it: the barriers' phases).
-  // PERSISTENT: item after item, take(done) giving each (-1: none left); otherwise the CTA's
-  // one item, decoded above.
+  // Each role walks its work items: ITEM_BEGIN(take) names the item's Work `w`, its query tiles,
+  // `ring` (the query tiles of earlier items: the rings' place) and `done` (items before it: the
+  // barriers' phases). PERSISTENT: item after item, take(done) saying whether there is one; `w`
+  // is the loader's decode in shared memory (item_work), read where used (held in registers
+  // through the item loop it crowded the compute loop's offsets out: they spilled, and so did
+  // the 24-register producer roles); ITEM_END(release) frees the slot for the loader.
+  // Otherwise the CTA's one item, decoded above.
 {% if persistent %}
 #define ITEM_BEGIN(take)                                                                    \
   for (unsigned done = 0, ring = 0;; ++done) {                                              \
-    const int item = take(done);                                                            \
-    if (item < 0) break;                                                                    \
-    Work w;                                                                                 \
-    decode_work(p, w, static_cast<unsigned>(item));                                         \
-    const int tiles = w.m_end - w.m_begin;                                                  \
-    const int64_t row0 = int64_t(w.kv_head) * p.dq_rows + int64_t(w.q_start) * p.pack;
-#define ITEM_END \
+    if (!take(done)) break;                                                                 \
+    const Work& w = item_work[done % ITEM_SLOTS];                                           \
+    const int tiles = w.m_end - w.m_begin;
+#define ITEM_END(release) \
     ring += tiles; \
+    release(done); \
   }
 {% else %}
   const int tiles = w.m_end - w.m_begin;
-  const int64_t row0 = int64_t(w.kv_head) * p.dq_rows + int64_t(w.q_start) * p.pack;
   constexpr int ring = 0, done = 0;
 #define ITEM_BEGIN(take)
-#define ITEM_END
+#define ITEM_END(release)
 {% endif %}
 
   // PRODUCER's hand-offs. full[s] / empty[s]: query tile stage s copied (the loader's lanes
@@ -295,11 +283,14 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   // compute warps' K / V copies being issued.
   // PERSISTENT: kv_full / kv_empty: an item's K / V copied by the loader / read by every compute
   // warp; staged / stored: its dK / dV staged by every compute warp / read out by the storer;
-  // item_full / item_empty: item_slot[n % 2], the CTA's n-th work item, published by the loader /
-  // read by every other warp.
+  // item_full / item_empty: slot n % ITEM_SLOTS (item_slot: the CTA's n-th work item, -1 past
+  // the last; item_work: its decode) published by the loader / done with by every other warp
+  // (at the item's end: they read its Work where they use it).
   __shared__ uint64_t full[STAGES], empty[STAGES], dq_full[2], dq_empty[2], kv_full, kv_empty, staged, stored;
-  __shared__ uint64_t item_full[2], item_empty[2];
-  __shared__ volatile int item_slot[2];
+  constexpr unsigned ITEM_SLOTS = 4;
+  __shared__ uint64_t item_full[ITEM_SLOTS], item_empty[ITEM_SLOTS];
+  __shared__ volatile int item_slot[ITEM_SLOTS];
+  __shared__ Work item_work[ITEM_SLOTS];
   constexpr int ITEM_READERS = CONSUMERS / 32 + 2;  // the compute warps, the writer and the storer
   constexpr int PRODUCER_BAR = 6, INIT_BAR = 7;  // 1..5: the compute warps' own
   if constexpr (PRODUCER) {
@@ -317,7 +308,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
         mbarrier_init(&kv_empty, CONSUMERS / 32);
         mbarrier_init(&staged, CONSUMERS / 32);
         mbarrier_init(&stored, 1);
-        for (int b = 0; b < 2; ++b) {
+        for (unsigned b = 0; b < ITEM_SLOTS; ++b) {
           mbarrier_init(&item_full[b], 1);
           mbarrier_init(&item_empty[b], ITEM_READERS);
         }
@@ -330,19 +321,19 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   // the next item, as the hardware launches blocks without PERSISTENT. CTAs on neighbouring key
   // tiles of one (sequence, KV head) stay close in time and can share their Q / dO tiles in L2
   // (a static snake over the grid measured within 1-3% of this, both behind a CTA per key tile
-  // at D128: notes/backward-h200.md). Every other warp reads the item the loader published
-  // (whole_warp: all 32 lanes read it).
+  // at D128: notes/backward-h200.md). Every other warp waits for the item the loader published
+  // and, at the item's end, frees its slot.
 {% if persistent %}
-  auto published_item = [&](int n, bool whole_warp) {
-    const int slot = n % 2;
-    mbarrier_wait(&item_full[slot], (n / 2) & 1);
-    int item = item_slot[slot];
-    // whole_warp: through a shuffle, so the compiler knows it is warp-uniform and keeps the
-    // item's Work in uniform registers, as a CTA's one item from blockIdx.
-    if (whole_warp) item = __shfl_sync(0xffffffffu, item, 0);
-    if (lane == 0) mbarrier_arrive(&item_empty[slot]);
-    return item;
+  auto published_item = [&](unsigned n) {
+    const unsigned slot = n % ITEM_SLOTS;
+    mbarrier_wait(&item_full[slot], (n / ITEM_SLOTS) & 1);
+    return item_slot[slot] >= 0;
   };
+  auto release_item = [&](unsigned n) {
+    __syncwarp();  // every lane done with the slot's Work
+    if (lane == 0) mbarrier_arrive(&item_empty[n % ITEM_SLOTS]);
+  };
+  auto keep_item = [](unsigned) {};  // the loader's: it owns the slots
 {% endif %}
   // With PRODUCER the compute warps copy K and V, and the loader starts on the first query
   // tiles at once instead of after K and V landed (their two memory latencies then overlap).
@@ -383,20 +374,19 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
           const int item = static_cast<int>(gridDim.x) + __shfl_sync(0xffffffffu, taken, 0);
           return item < args.items ? item : -1;
         };
-        auto take = [&](int n) {  // the n-th item with work, published
-          if constexpr (PERSISTENT) {
-            if (n > 0) next = fetch_item();
-            Work probe;
-            while (next >= 0 && !decode_work(p, probe, static_cast<unsigned>(next))) next = fetch_item();
-            const int slot = n % 2;
-            if (n >= 2) mbarrier_wait(&item_empty[slot], (n / 2 + 1) & 1);
-            if (lane == 0) {
-              item_slot[slot] = next;
-              mbarrier_arrive(&item_full[slot]);
-            }
-            __syncwarp();
+        auto take = [&](unsigned n) {  // the n-th item with work, published
+          if (n > 0) next = fetch_item();
+          Work probe;
+          while (next >= 0 && !decode_work(p, probe, static_cast<unsigned>(next))) next = fetch_item();
+          const unsigned slot = n % ITEM_SLOTS;
+          if (n >= ITEM_SLOTS) mbarrier_wait(&item_empty[slot], (n / ITEM_SLOTS + 1) & 1);
+          if (lane == 0) {
+            item_work[slot] = probe;
+            item_slot[slot] = next;
+            mbarrier_arrive(&item_full[slot]);
           }
-          return next;
+          __syncwarp();  // the slot's Work, for the other lanes
+          return next >= 0;
         };
 {% endif %}
         ITEM_BEGIN(take)
@@ -449,8 +439,9 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
             if (q == 0) wait_for_prerequisite_grid();
             constexpr int PER_LANE = BLOCK_M / 32;
             static_assert(BLOCK_M % 32 == 0, "lse2 / delta: whole rows a lane");
-            const float* lse2_rows = p.lse2 + row0 + m * BLOCK_M + lane;
-            const float* delta_rows = p.delta + row0 + m * BLOCK_M + lane;
+            const int64_t rows_at = accum_row(p, w, m * BLOCK_M + lane);
+            const float* lse2_rows = p.lse2 + rows_at;
+            const float* delta_rows = p.delta + rows_at;
             float l2[PER_LANE], dl[PER_LANE];
 #pragma unroll
             for (int k = 0; k < PER_LANE; ++k) {
@@ -474,13 +465,13 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
           if (i == 0) copy_kv();
 {% endif %}
         }
-        ITEM_END
+        ITEM_END(keep_item)
       } else if (DQ_STAGES > 0 && warp == WRITER_WARP && lane == 0) {
         // Tile i's dQ from buffer i % 2 onto the accumulator rows of its sequence: one bulk
         // reduce-add (the buffer is those rows, swizzled as they are), in key-tile order when
         // deterministic.
         wait_for_prerequisite_grid();  // the preprocess zeroed the accumulator
-        ITEM_BEGIN([&](int n) { return published_item(n, false); })
+        ITEM_BEGIN(published_item)
         for (int i = 0; i < tiles; ++i) {
           const auto q = ring + i;
           const int b = q % DQ_STAGES, m = w.m_begin + i;
@@ -491,7 +482,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
             for (int spin = 0; load_acquire(sem) < turn && spin < (1 << 22); ++spin) __nanosleep(200);
           }
           const int rows = min(BLOCK_M, w.rows - m * BLOCK_M);
-          bulk_reduce_add_f32(p.dq_accum + (row0 + m * BLOCK_M) * HEAD_DIM, dq_smem + b * DQ_TILE,
+          bulk_reduce_add_f32(p.dq_accum + accum_row(p, w, m * BLOCK_M) * HEAD_DIM, dq_smem + b * DQ_TILE,
                               rows * HEAD_DIM * 4);
           bulk_commit();
           if (sem) {
@@ -504,13 +495,13 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
           }
           mbarrier_arrive(&dq_empty[b]);
         }
-        ITEM_END
+        ITEM_END(release_item)
         bulk_wait<0, false>();
       } else if (PERSISTENT && warp == STORER_WARP) {
         // Each item's dK / dV once every compute warp staged them: the 8-row groups inside the
         // sequence by TMA stores (lane 0), the rest (a partial last group) by 16-byte stores.
         const uint4* staging = reinterpret_cast<const uint4*>(dq_smem);
-        ITEM_BEGIN([&](int n) { return published_item(n, true); })
+        ITEM_BEGIN(published_item)
         mbarrier_wait(&staged, done & 1);
         const int groups = args.tma_store ? max(0, min(BLOCK_N, w.k_len - w.n0)) / 8 : 0;
         if (lane == 0) {
@@ -529,7 +520,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
         if (lane == 0) bulk_wait<0, true>();  // the stores read the staging
         __syncwarp();
         if (lane == 0) mbarrier_arrive(&stored);
-        ITEM_END
+        ITEM_END(release_item)
         if (lane == 0) bulk_wait<0, false>();
       }
       allow_dependent_launch();
@@ -557,7 +548,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   const uint64_t dsk_desc = wgmma_desc(ds_smem, 16, DS_CHUNKS * 128);  // DKV_SPLIT: dS^T, P^T K-major
 
   const float sl2 = p.scale_log2;
-  ITEM_BEGIN([&](int n) { return published_item(n, true); })
+  ITEM_BEGIN(published_item)
   if constexpr (PERSISTENT) mbarrier_wait(&kv_full, done & 1);  // this item's K / V copied
   float dk[D_TILES * 4], dv[D_TILES * 4];
 #pragma unroll
@@ -638,9 +629,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     }
 {% endif %}
     {
-      // PERSISTENT: the lane through opaque(), so the swizzled offsets are recomputed each tile
-      // (two ALU ops a store) instead of held through the item loop, where they spilled.
-      const int ds_lane = PERSISTENT ? opaque_lane(lane) : lane, sg = ds_lane / 4, sc = ds_lane % 4;
+      const int sg = lane / 4, sc = lane % 4;
 #pragma unroll
       for (int nt = 0; nt < Q_TILES; ++nt) {
         ds32[DsRows::at(key0 + sg, q0 / 8 + nt) * 4 + sc] = pack2<T>(dp4[nt][0], dp4[nt][1]);
@@ -770,18 +759,16 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
       if constexpr (DQ_STAGES > 0) {
         // Hand dQ to the bulk add: into buffer i % 2 once tile i - 2's was read, float4 f of row
         // r at f ^ (r % 8) with r the accumulator row (DQ_SWIZZLE): a warp's 8 rows x 4 lanes
-        // then write 256 bytes in two conflict-free wavefronts. PERSISTENT: the lane through
-        // opaque(), as for dS^T (the offsets depend on the item's row0: hoisted, they spilled).
-        const int dq_lane = PERSISTENT ? opaque_lane(lane) : lane, c = dq_lane % 4;
-        const int row = (warp % 4) * 16 + dq_lane / 4;  // this thread's dQ rows: row, row + 8
+        // then write 256 bytes in two conflict-free wavefronts.
+        const int row = (warp % 4) * 16 + g;  // this thread's dQ rows: row, row + 8
         const int b = q % DQ_STAGES;
         if (q >= DQ_STAGES) mbarrier_wait(&dq_empty[b], (q / DQ_STAGES + 1) & 1);
         if (PERSISTENT && i == 0 && done > 0) mbarrier_wait(&stored, (done - 1) & 1);  // the buffers staged dK / dV
         float* buf = dq_smem + b * DQ_TILE;
-        const int x = static_cast<int>((row0 + m * BLOCK_M + row) & 7);  // rows row and row + 8 alike
+        const int x = static_cast<int>(accum_row(p, w, row) & 7);  // rows row and row + 8 alike (BLOCK_M % 8 == 0)
         // f ^ x for f = wg * DQ_N / 4 + 2j + c / 2: x < 8 only flips f's low three bits, which
         // are (2j % 8) | c / 2, so f ^ x = wg * DQ_N / 4 + 2j - 2j % 8 + ((2j % 8) ^ y) with
-        // y = c / 2 ^ x: four values a tile (recomputed cheaply where PERSISTENT holds nothing).
+        // y = c / 2 ^ x: four values a tile.
         static_assert(DQ_N % 32 == 0, "wg * DQ_N / 4 keeps the low three bits clear");
         const int y = ((c >> 1) & 1) ^ x;
 #pragma unroll
@@ -825,9 +812,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     if (n >= 1) mbarrier_wait(&dq_empty[(n - 1) % DQ_STAGES], ((n - 1) / DQ_STAGES) & 1);
     if (n >= 2) mbarrier_wait(&dq_empty[(n - 2) % DQ_STAGES], ((n - 2) / DQ_STAGES) & 1);
     if (done > 0) mbarrier_wait(&stored, (done - 1) & 1);
-    const int elane = opaque_lane(lane);
-    stage_dk_dv<Tiles>(p, dk4, dv4, key0, elane / 4, elane % 4, [](int t) { return t; },
-                       reinterpret_cast<uint4*>(dq_smem));
+    stage_dk_dv<Tiles>(p, dk4, dv4, key0, g, c, [](int t) { return t; }, reinterpret_cast<uint4*>(dq_smem));
     fence_proxy_async_shared();  // for the TMA stores' (async proxy) reads
     __syncwarp();
     if (lane == 0) mbarrier_arrive(&staged);
@@ -838,7 +823,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
                                     [wg](int t) { return DKV_SPLIT ? wg * D_TILES + t : t; }, q_smem, tid,
                                     [] { named_barrier(2, CONSUMERS); });
   }
-  ITEM_END
+  ITEM_END(release_item)
 }
 #undef ITEM_BEGIN
 #undef ITEM_END
