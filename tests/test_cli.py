@@ -497,21 +497,24 @@ def test_several_families_in_one_command(capsys, no_builds):
 
 
 def test_the_backward_family_takes_the_same_flags(capsys, no_builds):
-    """varlen_backward, registered by its own spec module: the rung a backward call on the archs
-    runs (wgmma with its producer warpgroup on sm_90 at head_dim 64/128/256, at 256 with dQ in its
-    own kernel; mma.sync elsewhere), varlen-only flags ignored."""
+    """varlen_backward, registered by its own spec module: the rungs a backward call on the archs
+    runs (wgmma with its producer warpgroup on sm_90 at head_dim 64/128/256: at 128 persistent, and
+    a CTA per key tile for deterministic mode; at 256 with dQ in its own kernel; mma.sync
+    elsewhere), varlen-only flags ignored."""
     from jitattn.varlen.spec import VarlenBackwardSpec
 
     got, _ = dry_run(capsys, "prewarm", "--family", "varlen_backward", "--head-dim", "64,128,256", "--dtype",
                      "bfloat16", "--arch", "9.0")
     assert [registry.spec_from_dict(d) for d in got] == [
         VarlenBackwardSpec(64, "bfloat16", wgmma=True, producer=True),
+        VarlenBackwardSpec(128, "bfloat16", wgmma=True, producer=True, persistent=True),
         VarlenBackwardSpec(128, "bfloat16", wgmma=True, producer=True),
         VarlenBackwardSpec(256, "bfloat16", wgmma=True, producer=True, dq_kernel=True)]
     got, _ = dry_run(capsys, "prewarm", "--family", "varlen,varlen_backward", "--head-dim", "128", "--paged", "off",
                      "--decode", "off", "--arch", "8.0;9.0")
     assert [registry.spec_from_dict(d) for d in got] == [
         VarlenSpec(128, "float16", False, False, wgmma=True, tma=True), VarlenSpec(128, "float16", False, False),
+        VarlenBackwardSpec(128, "float16", wgmma=True, producer=True, persistent=True),
         VarlenBackwardSpec(128, "float16", wgmma=True, producer=True), VarlenBackwardSpec(128, "float16")]
 
 

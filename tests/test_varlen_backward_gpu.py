@@ -117,8 +117,8 @@ def _consumer_regs_variant(monkeypatch):
 
         plan = varlen_backward_launch.plan
 
-        def with_regs(head_dim, dtype, wgmma=False, soft_cap=False):
-            spec = plan(head_dim, dtype, wgmma, soft_cap)
+        def with_regs(head_dim, dtype, wgmma=False, soft_cap=False, deterministic=False):
+            spec = plan(head_dim, dtype, wgmma, soft_cap, deterministic)
             return dataclasses.replace(spec, consumer_regs=int(regs)) if spec.producer and head_dim == 128 else spec
 
         monkeypatch.setattr(varlen_backward_launch, "plan", with_regs)
@@ -597,10 +597,12 @@ def test_hopper_runs_the_wgmma_rung_at_head_dim_64_128_and_256():
     for head_dim in (64, 128, 256):
         b = make_batch([40], [40], 2, 2, head_dim, BF16, seed=head_dim)
         run_backward(b, (-1, 0), grad_out_for(b, 0))
-        assert (head_dim, BF16, True, False) in launch._kernels  # (head_dim, dtype, wgmma allowed, soft cap)
-        spec = launch._kernels[(head_dim, BF16, True, False)][1]
+        key = (head_dim, BF16, True, False, False)  # (head_dim, dtype, wgmma allowed, soft cap, deterministic)
+        assert key in launch._kernels
+        spec = launch._kernels[key][1]
         assert spec.wgmma and spec.producer is (head_dim in launch.PRODUCER_HEAD_DIMS)
         assert spec.dq_kernel is (spec.producer and head_dim in launch.DQ_KERNEL_HEAD_DIMS)
+        assert spec.persistent is (spec.producer and head_dim in launch.PERSISTENT_HEAD_DIMS)
 
 
 # ---------------------------------------------------------------- refusals (also tested on the CPU)

@@ -70,12 +70,29 @@ def test_spec_is_the_tuned_tile_of_the_head_dim(launches, head_dim, tile, dtype)
     (96, True, None, False), (128, False, None, False)])
 def test_hopper_rung_where_it_covers_the_head_dim(launches, monkeypatch, head_dim, hopper, knob, want):
     """On sm_90 head_dim 64 / 128 / 256 run the wgmma rung (JITATTN_WGMMA=0 turns it off, as for the
-    forward), at 256 with dQ in its own kernel; other head dims and GPUs the mma.sync one."""
+    forward), at 128 persistent, at 256 with dQ in its own kernel; other head dims and GPUs the
+    mma.sync one."""
     monkeypatch.setattr(launch, "wgmma_allowed", lambda device: hopper and knob != "0")
     _, (spec, _), _ = call(launches, shape=dict(d=head_dim))
     assert spec.wgmma is want
     assert spec == VarlenBackwardSpec(head_dim, "bfloat16", wgmma=want, producer=want,
-                                      dq_kernel=want and head_dim == 256)
+                                      dq_kernel=want and head_dim == 256, persistent=want and head_dim == 128)
+
+
+def test_deterministic_mode_plans_a_cta_per_key_tile(launches, monkeypatch):
+    """The persistent D128 kernel is the default; under torch.use_deterministic_algorithms the plan
+    takes the kernel a CTA per key tile (the persistent one run so measured slower), and the two
+    are cached apart."""
+    monkeypatch.setattr(launch, "wgmma_allowed", lambda device: True)
+    previous = torch.are_deterministic_algorithms_enabled()
+    try:
+        for deterministic in (False, True):
+            torch.use_deterministic_algorithms(deterministic)
+            _, (spec, _), _ = call(launches, shape=dict(d=128))
+            assert spec.persistent is not deterministic
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert {key[-1] for key in launch._kernels if key[0] == 128} == {False, True}
 
 
 def test_dq_kernel_where_plan_lists_it(launches, monkeypatch):
@@ -98,7 +115,8 @@ def test_producer_warpgroup_at_the_head_dims_that_take_it(launches, monkeypatch,
         monkeypatch.setattr(launch, "PRODUCER_HEAD_DIMS", dims)
         monkeypatch.setattr(launch, "_kernels", {})
         _, (spec, _), _ = call(launches, shape=dict(d=head_dim))
-        assert spec == VarlenBackwardSpec(head_dim, "bfloat16", wgmma=True, producer=bool(dims))
+        assert spec == VarlenBackwardSpec(head_dim, "bfloat16", wgmma=True, producer=bool(dims),
+                                          persistent=bool(dims) and head_dim in launch.PERSISTENT_HEAD_DIMS)
     monkeypatch.setattr(launch, "wgmma_allowed", lambda device: False)  # mma.sync has no producer
     monkeypatch.setattr(launch, "_kernels", {})
     assert not call(launches, shape=dict(d=head_dim))[1][0].producer

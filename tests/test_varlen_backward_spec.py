@@ -8,11 +8,13 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from jitattn.jit import keys, render
 from jitattn.jit.manifest import read_manifest
 from jitattn.jit.registry import spec_from_dict
-from jitattn.varlen.spec import CONSUMER_REGS, DQ_KERNEL_HEAD_DIMS, VarlenBackwardSpec, VarlenSpec
+from jitattn.varlen import backward_launch
+from jitattn.varlen.spec import CONSUMER_REGS, DQ_KERNEL_HEAD_DIMS, PERSISTENT_HEAD_DIMS, VarlenBackwardSpec, VarlenSpec
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET = keys.BuildTarget(("9.0",), "13.0.88", "gcc 12.2.0")
@@ -78,17 +80,23 @@ def test_backward_consumer_regs_is_a_split_of_the_producer_variant():
         VarlenBackwardSpec(128, wgmma=True, consumer_regs=240)
 
 
-def test_backward_persistent_is_a_variant_of_the_producer_kernel_off_by_default():
+def test_backward_persistent_is_a_variant_of_the_producer_kernel_the_default_at_128():
     spec = VarlenBackwardSpec(128, "bfloat16", wgmma=True, producer=True)
     persistent = dataclasses.replace(spec, persistent=True)
     assert not spec.persistent and persistent.name == "varlen_backward_bf16_d128_wgmma_producer_persistent_r240_n128m64q1"
     assert keys.key_of(keys.components(spec, TARGET)) != keys.key_of(keys.components(persistent, TARGET))
     assert "constexpr bool PERSISTENT = true;" in render.render(persistent, "x")["kernels.cu"]
     assert "constexpr bool PERSISTENT = false;" in render.render(spec, "x")["kernels.cu"]
-    # What `prewarm --family varlen_backward` builds follows the plan's default unless named.
+    # The plan takes it at D128 with the producer outside deterministic mode, never elsewhere.
+    assert backward_launch.plan(128, torch.bfloat16, wgmma=True).persistent
+    assert not backward_launch.plan(64, torch.float16, wgmma=True).persistent
+    assert not backward_launch.plan(128, torch.bfloat16, wgmma=True, deterministic=True).persistent
+    assert not backward_launch.plan(256, torch.bfloat16, wgmma=True).persistent
+    assert not backward_launch.plan(128, torch.bfloat16, wgmma=False).persistent
+    # What `prewarm --family varlen_backward` builds follows the plan (both modes) unless named.
     fields = {"head_dim": 128, "dtype": "bfloat16"}
-    assert [v.get("persistent") for v in VarlenBackwardSpec.prewarm_variants(fields, ("9.0a",))] == [False]
-    assert [v["persistent"] for v in VarlenBackwardSpec.prewarm_variants({**fields, "persistent": True}, ("9.0a",))] == [True]
+    assert [v.get("persistent") for v in VarlenBackwardSpec.prewarm_variants(fields, ("9.0a",))] == [True, False]
+    assert [v["persistent"] for v in VarlenBackwardSpec.prewarm_variants({**fields, "persistent": False}, ("9.0a",))] == [False]
 
 
 def test_backward_spec_round_trips_through_a_dict():
@@ -191,7 +199,8 @@ def test_manifests_list_the_backward_beside_the_forward(manifest):
             assert VarlenBackwardSpec(head_dim, dtype) in backward, (manifest, head_dim, dtype)
             if VarlenBackwardSpec.wgmma_fits(head_dim):
                 producer = VarlenBackwardSpec(head_dim, dtype, wgmma=True, producer=True,
-                                              dq_kernel=head_dim in DQ_KERNEL_HEAD_DIMS)
+                                              dq_kernel=head_dim in DQ_KERNEL_HEAD_DIMS,
+                                              persistent=head_dim in PERSISTENT_HEAD_DIMS)
                 assert producer in backward, (manifest, head_dim, dtype)  # what backward_launch plans
                 lockstep = VarlenBackwardSpec(head_dim, dtype, wgmma=True)
                 assert (lockstep in backward) == (manifest == "gpu-tests.toml"), "the lockstep variant is opt-in"
@@ -210,6 +219,7 @@ def test_manifests_list_the_backward_kernels_hopper_calls_run(manifest, capped):
     for head_dim in (64, 128, 256):
         for dtype in (torch.float16, torch.bfloat16):
             for cap in capped:
-                spec = plan(head_dim, dtype, wgmma=True, soft_cap=cap)
-                assert spec.producer and spec.dq_kernel == (head_dim == 256)
-                assert spec in listed, (manifest, spec.name)
+                for deterministic in (False, True):
+                    spec = plan(head_dim, dtype, wgmma=True, soft_cap=cap, deterministic=deterministic)
+                    assert spec.producer and spec.dq_kernel == (head_dim == 256)
+                    assert spec in listed, (manifest, spec.name)

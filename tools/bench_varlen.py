@@ -468,7 +468,8 @@ def bench_backward(args):
     tiles += [tuple(int(x) for x in t.split(",")) for t in (args.bwd_tiles or [])]
     print("\n### backward: bf16, 8 x 4096 tokens; backward = (forward + backward) - forward; "
           f"backward FLOPs = 2.5x forward; default rung {'wgmma at D64/D128/D256' if wgmma else 'mma.sync'} "
-          f"(producer warpgroup at {sorted(launch.PRODUCER_HEAD_DIMS) or 'no head_dim'})\n")
+          f"(producer warpgroup at {sorted(launch.PRODUCER_HEAD_DIMS) or 'no head_dim'}, "
+          f"persistent at {sorted(launch.PERSISTENT_HEAD_DIMS) or 'no head_dim'})\n")
     print("| D | heads | causal | jitattn us | jitattn TFLOP/s | deterministic TFLOP/s | torch varlen TFLOP/s "
           "| SDPA TFLOP/s | vs torch varlen | vs SDPA | deterministic cost |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -50,8 +50,8 @@ def variant(fields: dict, dims):
     """backward_launch plans `fields` over its own choice at head_dims `dims`."""
     saved_plan, saved_kernels = launch.plan, dict(launch._kernels)
 
-    def plan(head_dim, dtype, wgmma=False, soft_cap=False):
-        spec = saved_plan(head_dim, dtype, wgmma, soft_cap)
+    def plan(head_dim, dtype, wgmma=False, soft_cap=False, deterministic=False):
+        spec = saved_plan(head_dim, dtype, wgmma, soft_cap, deterministic)
         return dataclasses.replace(spec, **fields) if head_dim in dims and fields else spec
 
     launch.plan = plan

@@ -7,7 +7,8 @@ compile:
                                                      # insert the stamps, prewarm the bf16 D64 / D128
                                                      # backward for sm_90a, pack stamps-pack.tar.gz
   python3 tools/bwd_stamps.py run --tree /tmp/stamps # on the H200 (seed: stamps-pack.tar.gz and the
-                                                     # forward's kernels, e.g. the GPU tests' pack)
+                                                     # forward's kernels, e.g. the GPU tests' pack):
+                                                     # a CTA per key tile
   python3 tools/bwd_stamps.py run --tree /tmp/stamps --persistent  # the persistent variant: a
                                                      # record is each CTA's last item's
 
@@ -147,10 +148,11 @@ def run(tree: Path, dims: list[int], persistent: bool = False) -> None:
     import jitattn
     if not Path(jitattn.__file__).resolve().is_relative_to(tree.resolve()):
         sys.exit(f"bwd_stamps: jitattn imported from {jitattn.__file__}, not from {tree}")
-    if persistent:  # a CTA per SM: each record is its last item's (prologue lines: the CTA's start)
-        from jitattn.varlen import backward_launch
-        backward_launch.PERSISTENT_HEAD_DIMS = frozenset({64, 128})
-        backward_launch._kernels.clear()
+    # The variant asked for (persistent is the default at D64 / D128): a CTA per SM, each record
+    # its last item's (prologue lines: the CTA's start), or a CTA per key tile.
+    from jitattn.varlen import backward_launch
+    backward_launch.PERSISTENT_HEAD_DIMS = frozenset({64, 128}) if persistent else frozenset()
+    backward_launch._kernels.clear()
     path = str(tree / "stamps.bin")
     wrap = 1 << 32
     for head_dim in dims:

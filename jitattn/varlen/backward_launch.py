@@ -38,11 +38,13 @@ PRODUCER_HEAD_DIMS: frozenset[int] = frozenset({64, 128, 256})
 # tests and benchmarks can turn it off here). H200, bf16 8 x 4k, 16 heads, causal / full: 353 /
 # 391 TFLOP/s against 240 / 265 for dQ by atomics in the main kernel (notes/backward-d256.md).
 DQ_KERNEL_HEAD_DIMS: frozenset[int] = _spec.DQ_KERNEL_HEAD_DIMS
-# Head dims whose producer backward runs one CTA per SM over many key tiles (persistent; none by
-# default: the spec module's list, read at plan time so tests and benchmarks can turn it on here).
+# Head dims whose producer backward runs one CTA per SM over many key tiles (persistent: D128,
+# outside deterministic mode, which takes a CTA per key tile: the persistent code measured
+# 1.06-1.09x slower there; the spec module's list, read at plan time so tests and benchmarks can
+# turn it off here).
 PERSISTENT_HEAD_DIMS: frozenset[int] = _spec.PERSISTENT_HEAD_DIMS
 
-_kernels: dict[tuple, tuple[object, VarlenBackwardSpec]] = {}  # (head_dim, dtype, wgmma, cap) -> (run op, spec)
+_kernels: dict[tuple, tuple[object, VarlenBackwardSpec]] = {}  # (head_dim, dtype, wgmma, cap, deterministic) -> (run op, spec)
 _hopper: dict[int | None, bool] = {}  # device index -> sm_90
 
 
@@ -57,22 +59,24 @@ def wgmma_allowed(device: torch.device) -> bool:
     return hopper and env.wgmma_enabled()
 
 
-def plan(head_dim: int, dtype: torch.dtype, wgmma: bool = False, soft_cap: bool = False) -> VarlenBackwardSpec:
+def plan(head_dim: int, dtype: torch.dtype, wgmma: bool = False, soft_cap: bool = False,
+         deterministic: bool = False) -> VarlenBackwardSpec:
     """The specialization a backward runs: the Hopper rung where it covers the head_dim and
-    `wgmma` allows it (with a producer warpgroup at PRODUCER_HEAD_DIMS), else mma.sync; the
-    tuned tile of the head_dim; the soft cap's variant when the forward had one."""
+    `wgmma` allows it (with a producer warpgroup at PRODUCER_HEAD_DIMS, persistent at
+    PERSISTENT_HEAD_DIMS unless deterministic), else mma.sync; the tuned tile of the head_dim;
+    the soft cap's variant when the forward had one."""
     wgmma = wgmma and VarlenBackwardSpec.wgmma_fits(head_dim)
     producer = wgmma and head_dim in PRODUCER_HEAD_DIMS
     return VarlenBackwardSpec(head_dim, check.DTYPE_NAMES[dtype], wgmma=wgmma, producer=producer, soft_cap=soft_cap,
                               dq_kernel=producer and head_dim in DQ_KERNEL_HEAD_DIMS,
-                              persistent=producer and head_dim in PERSISTENT_HEAD_DIMS)
+                              persistent=producer and head_dim in PERSISTENT_HEAD_DIMS and not deterministic)
 
 
-def _kernel(head_dim: int, dtype: torch.dtype, wgmma: bool, soft_cap: bool):
-    key = (head_dim, dtype, wgmma, soft_cap)
+def _kernel(head_dim: int, dtype: torch.dtype, wgmma: bool, soft_cap: bool, deterministic: bool):
+    key = (head_dim, dtype, wgmma, soft_cap, deterministic)
     entry = _kernels.get(key)
     if entry is None:
-        spec = plan(head_dim, dtype, wgmma, soft_cap)
+        spec = plan(head_dim, dtype, wgmma, soft_cap, deterministic)
         entry = _kernels[key] = (get_module(spec).ops.run.default, spec)
     return entry
 
@@ -111,7 +115,7 @@ def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tens
                            softcap)
     if grad_lse is not None and grad_lse.shape[0] != heads_q:
         grad_lse = None
-    run, spec = _kernel(head_dim, query.dtype, wgmma_allowed(query.device), softcap > 0)
+    run, spec = _kernel(head_dim, query.dtype, wgmma_allowed(query.device), softcap > 0, bool(deterministic))
 
     # The kernels write every row of dq, dk and dv (the preprocess zeroes the key rows no CTA
     # reaches: outside every sequence, past seqused_k); with no queries nothing runs.

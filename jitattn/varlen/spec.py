@@ -28,11 +28,13 @@ DECODE_TMA = False
 # Head dims whose wgmma backward (with the producer) computes dQ in a kernel of its own
 # (VarlenBackwardSpec.dq_kernel): where backward_launch.plan takes it, and what prewarm builds.
 DQ_KERNEL_HEAD_DIMS: frozenset[int] = frozenset({256})
-# Head dims whose wgmma backward with the producer runs persistent (VarlenBackwardSpec.persistent):
-# none by default. Measured on the H200 (bf16 8 x 4k, tools/bwd_ab.py, 3 jobs, against a CTA per
-# key tile in the same rounds): D128 full -5 to -10%, causal -4 to -6%; D64 full -3 to +0.2%,
-# causal +1.5 to +3.8% (notes/backward-h200.md).
-PERSISTENT_HEAD_DIMS: frozenset[int] = frozenset()
+# Head dims whose wgmma backward with the producer runs persistent (VarlenBackwardSpec.persistent:
+# a CTA per SM takes key tiles from a counter) outside deterministic mode, which plans the kernel
+# a CTA per key tile (the persistent one, run so, measured 1.06-1.09x slower there).
+# Measured on the H200 (bf16 8 x 4k, tools/bwd_ab.py against a CTA per key tile in the same
+# rounds, both orders, TFLOP/s): D128 full +0..+4%, causal +2..+5%; D64 -1..+2% full, -3..+3%
+# causal, a wash, so D64 stays a CTA per key tile (notes/backward-h200.md).
+PERSISTENT_HEAD_DIMS: frozenset[int] = frozenset({128})
 
 
 @register
@@ -302,21 +304,24 @@ class VarlenBackwardSpec(KernelSpec):
         the wgmma rung where sm_90 is a target and the head_dim fits (with the producer warpgroup
         unless `producer` is named, as backward_launch plans it), the mma.sync one where another
         arch is (or it does not fit, or no arch is known); `wgmma` named: as named."""
-        def persistent(producer: bool) -> dict:  # as backward_launch plans it unless named
-            return {"persistent": fields.get("persistent", producer and fields.get("head_dim", 0) in PERSISTENT_HEAD_DIMS)}
+        def persistent(producer: bool) -> list[bool]:  # as backward_launch plans it unless named:
+            if "persistent" in fields:                  # both where deterministic mode takes the other
+                return [fields["persistent"]]
+            return [True, False] if producer and fields.get("head_dim", 0) in PERSISTENT_HEAD_DIMS else [False]
 
         if "wgmma" in fields:
-            return [{**fields, **persistent(fields.get("producer", False))}]
+            return [{**fields, "persistent": p} for p in persistent(fields.get("producer", False))]
         hopper = any(a.rstrip("a") == "9.0" for a in archs)
         other = not archs or any(a.rstrip("a") != "9.0" for a in archs)
         fits = cls.wgmma_fits(fields.get("head_dim", 0))
         rungs = ([True] if fits and hopper else []) + ([False] if other or not fits else [])
-        def hopper_fields():
+        def hopper_variants() -> list[dict]:
             producer = fields.get("producer", True)
             dq = fields.get("dq_kernel", producer and fields.get("head_dim", 0) in DQ_KERNEL_HEAD_DIMS)
-            return {"producer": producer, "dq_kernel": dq, **persistent(producer)}
+            return [{**fields, "wgmma": True, "producer": producer, "dq_kernel": dq, "persistent": p}
+                    for p in persistent(producer)]
 
-        return [{**fields, "wgmma": w, **(hopper_fields() if w else {})} for w in rungs]
+        return [v for w in rungs for v in (hopper_variants() if w else [{**fields, "wgmma": False}])]
 
     def __post_init__(self):
         if self.head_dim % 16 or not 32 <= self.head_dim <= 256:
