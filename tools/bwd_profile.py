@@ -70,9 +70,9 @@ def report(label: str, steps: list, timeline: bool = False) -> None:
         print(f"  {us:9.1f} us  x{max(counts)}  {short}", flush=True)
     if timeline:  # overlap between kernels (PDL): each launch's start / end in the step, medians
         print("  timeline (us from the step's first kernel start):")
-        for (i, name), spans in sorted(offsets.items()):
+        for (i, name), ranges in sorted(offsets.items()):
             short = name if len(name) <= 70 else name[:67] + "..."
-            print(f"    {statistics.median(s for s, _ in spans):9.1f} .. {statistics.median(e for _, e in spans):9.1f}  {short}")
+            print(f"    {statistics.median(s for s, _ in ranges):9.1f} .. {statistics.median(e for _, e in ranges):9.1f}  {short}")
 
 
 def main():

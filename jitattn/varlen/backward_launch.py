@@ -40,7 +40,7 @@ PRODUCER_HEAD_DIMS: frozenset[int] = frozenset({64, 128, 256})
 DQ_KERNEL_HEAD_DIMS: frozenset[int] = _spec.DQ_KERNEL_HEAD_DIMS
 # Head dims whose producer backward runs one CTA per SM over many key tiles (persistent: D128,
 # outside deterministic mode, which takes a CTA per key tile: the persistent code measured
-# 1.06-1.09x slower there; the spec module's list, read at plan time so tests and benchmarks can
+# 1.08-1.14x slower there; the spec module's list, read at plan time so tests and benchmarks can
 # turn it off here).
 PERSISTENT_HEAD_DIMS: frozenset[int] = _spec.PERSISTENT_HEAD_DIMS
 

@@ -30,7 +30,7 @@ DECODE_TMA = False
 DQ_KERNEL_HEAD_DIMS: frozenset[int] = frozenset({256})
 # Head dims whose wgmma backward with the producer runs persistent (VarlenBackwardSpec.persistent:
 # a CTA per SM takes key tiles from a counter) outside deterministic mode, which plans the kernel
-# a CTA per key tile (the persistent one, run so, measured 1.06-1.09x slower there).
+# a CTA per key tile (the persistent one, run so, measured 1.08-1.14x slower there).
 # Measured on the H200 (bf16 8 x 4k, tools/bwd_ab.py against a CTA per key tile in the same
 # rounds, both orders, TFLOP/s): D128 full +0..+4%, causal +2..+5%; D64 -1..+2% full, -3..+3%
 # causal, a wash, so D64 stays a CTA per key tile (notes/backward-h200.md).
