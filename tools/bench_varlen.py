@@ -22,7 +22,9 @@ the same run.
     tile shapes of the backward kernel (for tuning; they must be in the cache). Then the skewed
     batch of (c) (causal D128 16 heads, lengths 128..16384) forward + backward vs torch's.
 CUDA-event timing of device time (host time hidden), warm-up, cold L2 (each timed call reads a
-different input set, the sets together >= 256 MB), median of the timed calls.
+different input set, the sets together >= 256 MB), median of the timed calls; the prefill,
+paged-prefill and backward rows time their implementations in interleaved rounds (3 with --quick,
+else 5) and report the median over rounds (the clocks drift within a job).
 Run: python tools/bench_varlen.py [--quick] [--parts prefill paged-prefill decode skewed host backward]
      [--decode-tiles 1,1,32,6 1,1,64,3 1,1,32,3,1 ...]
      [--bwd-tiles 128,64,1 64,64,2 ...] [--bwd-variants other mma det peers skewed]
@@ -90,6 +92,25 @@ def timed(fns, args, what):
         return None
 
 
+def rounds_median(calls, args):
+    """Median us of each of `calls` ([(fns, what)], fns as for timed) over args.rounds
+    interleaved rounds (every call timed once per round, in turn), and the first call's
+    per-round us. The H200's clocks drift within a job (the same kernel measured 639 then 564
+    TFLOP/s minutes apart, and SDPA's D128 causal backward 442-517 between processes): timed one
+    after another, two implementations differ by the drift; interleaved, each round meets every
+    implementation at about the same clock."""
+    rounds = [[timed(f, args, what) for f, what in calls] for _ in range(args.rounds)]
+    medians = [None if any(r[i] is None for r in rounds) else statistics.median(r[i] for r in rounds)
+               for i in range(len(calls))]
+    return medians, [r[0] for r in rounds]
+
+
+def spread(flops, times):
+    """'min-max' TFLOP/s of per-round times (None entries left out)."""
+    tf = sorted(flops / t / 1e6 for t in times if t is not None and t > 0)
+    return f"{tf[0]:.1f}-{tf[-1]:.1f}" if tf else "-"
+
+
 def fmt(x, spec=".1f"):
     return "-" if x is None else format(x, spec)
 
@@ -120,10 +141,10 @@ def cu(lengths):
 def bench_prefill(args):
     batch, seq = 8, 4096
     fn, params = torch_varlen()
-    print("\n### prefill: bf16, 8 x 4096 tokens, D*H = 2048\n")
+    print(f"\n### prefill: bf16, 8 x 4096 tokens, D*H = 2048; medians of {args.rounds} interleaved rounds\n")
     print("| D | heads | causal | jitattn us | jitattn TFLOP/s | torch varlen TFLOP/s | SDPA TFLOP/s "
-          "| speedup vs torch varlen | speedup vs SDPA |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+          "| speedup vs torch varlen | speedup vs SDPA | jitattn min-max over rounds |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for head_dim in (64, 128, 256):
         heads = 2048 // head_dim
         tokens = batch * seq
@@ -145,12 +166,11 @@ def bench_prefill(args):
             sdpa = [lambda s=s: F.scaled_dot_product_attention(*s[3], is_causal=causal) for s in sets]
             sanity(ours[0](), lambda: sdpa[0]().transpose(1, 2).reshape(tokens, heads, head_dim),
                    f"prefill d{head_dim} causal={causal} vs SDPA")
-            t_ours = timed(ours, args, "jitattn")
-            t_torch = timed(theirs, args, "torch varlen_attn")
-            t_sdpa = timed(sdpa, args, "SDPA")
+            (t_ours, t_torch, t_sdpa), per_round = rounds_median(
+                [(ours, "jitattn"), (theirs, "torch varlen_attn"), (sdpa, "SDPA")], args)
             tf = [None if t is None else flops / t / 1e6 for t in (t_ours, t_torch, t_sdpa)]
             print(f"| {head_dim} | {heads} | {causal} | {fmt(t_ours)} | {fmt(tf[0])} | {fmt(tf[1])} | {fmt(tf[2])} "
-                  f"| {ratio(t_ours, t_torch)} | {ratio(t_ours, t_sdpa)} |", flush=True)
+                  f"| {ratio(t_ours, t_torch)} | {ratio(t_ours, t_sdpa)} | {spread(flops, per_round)} |", flush=True)
             if args.softcap:
                 capped = [lambda s=s: jitattn.varlen_attn(s[0], s[1], s[2], cu_seq, cu_seq, seq, seq,
                                                           window_size=window, softcap=args.softcap) for s in sets]
@@ -206,15 +226,11 @@ def bench_paged_prefill(args):
                                                   seqused_k=used) for s in sets]
         calls = [(contiguous, "jitattn"), (paged(16), "jitattn page 16"), (paged(256), "jitattn page 256"),
                  (theirs, "torch varlen_attn"), (sdpa, "SDPA"), (used_k, "jitattn seqused_k")]
-        rounds = [[timed(f, args, what) for f, what in calls] for _ in range(args.rounds)]
-        times = [None if any(r[i] is None for r in rounds) else statistics.median(r[i] for r in rounds)
-                 for i in range(len(calls))]
+        times, per_round = rounds_median(calls, args)
         tf = [None if t is None else flops / t / 1e6 for t in times]
         vs = lambda t: "-" if t is None or times[0] is None else f"{times[0] / t:.2f}x"
-        spread = sorted(flops / r[0] / 1e6 for r in rounds if r[0] is not None)
         print(f"| {causal} | {fmt(tf[0])} | {fmt(tf[1])} ({vs(times[1])}) | {fmt(tf[2])} ({vs(times[2])}) "
-              f"| {fmt(tf[3])} | {fmt(tf[4])} | {fmt(tf[5])} | {fmt(spread[0] if spread else None)}-"
-              f"{fmt(spread[-1] if spread else None)} |", flush=True)
+              f"| {fmt(tf[3])} | {fmt(tf[4])} | {fmt(tf[5])} | {spread(flops, per_round)} |", flush=True)
     del sets
     torch.cuda.empty_cache()
 
@@ -399,7 +415,7 @@ def _with_tile(tile):
         else:
             launch.wgmma_allowed = lambda device: False
         if tile not in ("mma", "other"):
-            launch.plan = lambda head_dim, dtype, wgmma=False, soft_cap=False: VarlenBackwardSpec(
+            launch.plan = lambda head_dim, dtype, wgmma=False, soft_cap=False, deterministic=False: VarlenBackwardSpec(
                 head_dim, "bfloat16", *tile, soft_cap=soft_cap)
         launch._kernels.clear()
         try:
@@ -455,6 +471,23 @@ def _backward_us(forward, sets, args, what):
     return None if t_fwd is None or t_both is None else t_both - t_fwd
 
 
+def _backward_rounds(entries, args):
+    """Median backward us of each entry (what, forward, sets, context factory) over args.rounds
+    interleaved rounds (see rounds_median), and the first entry's per-round us."""
+    import contextlib
+
+    rounds = []
+    for _ in range(args.rounds):
+        row = []
+        for what, forward, sets, ctx in entries:
+            with (ctx or contextlib.nullcontext)():
+                row.append(_backward_us(forward, sets, args, what))
+        rounds.append(row)
+    medians = [None if any(r[i] is None for r in rounds) else statistics.median(r[i] for r in rounds)
+               for i in range(len(entries))]
+    return medians, [r[0] for r in rounds]
+
+
 def bench_backward(args):
     batch, seq = 8, 4096
     fn, params = torch_varlen()
@@ -470,9 +503,10 @@ def bench_backward(args):
           f"backward FLOPs = 2.5x forward; default rung {'wgmma at D64/D128/D256' if wgmma else 'mma.sync'} "
           f"(producer warpgroup at {sorted(launch.PRODUCER_HEAD_DIMS) or 'no head_dim'}, "
           f"persistent at {sorted(launch.PERSISTENT_HEAD_DIMS) or 'no head_dim'})\n")
+    print(f"medians of {args.rounds} interleaved rounds (every row's calls timed once per round, in turn)\n")
     print("| D | heads | causal | jitattn us | jitattn TFLOP/s | deterministic TFLOP/s | torch varlen TFLOP/s "
-          "| SDPA TFLOP/s | vs torch varlen | vs SDPA | deterministic cost |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| SDPA TFLOP/s | vs torch varlen | vs SDPA | deterministic cost | jitattn min-max over rounds |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for head_dim, heads in ((64, 32), (128, 32), (256, 16)):
         if head_dim not in args.bwd_dims:
             continue
@@ -491,26 +525,25 @@ def bench_backward(args):
             window = (-1, 0) if causal else (-1, -1)
             flops = 2.5 * batch * 4 * seq * seq * head_dim * heads * (0.5 if causal else 1.0)
             ours = lambda s: jitattn.varlen_attn(*s[0], cu_seq, cu_seq, seq, seq, window_size=window)
-            results = {}
-            for tile in rungs:
-                with _with_tile(tile):
-                    results[tile] = _backward_us(ours, sets, args, f"jitattn tile={tile}")
-            t_det = t_torch = t_sdpa = None
+            sdpa_sets = [(s[2], s[3]) for s in sets]
+            # (result key, what, forward, sets, context): timed in interleaved rounds.
+            entries = [(tile, f"jitattn tile={tile}", ours, sets, lambda tile=tile: _with_tile(tile)) for tile in rungs]
             if "det" in variants:
-                with _deterministic(True):
-                    t_det = _backward_us(ours, sets, args, "jitattn deterministic")
+                entries.append(("det", "jitattn deterministic", ours, sets, lambda: _deterministic(True)))
             kw = torch_window_kwargs(params, causal)
             if fn is not None and kw is not None and "peers" in variants:
-                t_torch = _backward_us(lambda s: fn(*s[0], cu_seq, cu_seq, seq, seq, **kw), sets, args,
-                                       "torch varlen_attn")
-            sdpa_sets = [(s[2], s[3]) for s in sets]
+                entries.append(("torch", "torch varlen_attn", lambda s: fn(*s[0], cu_seq, cu_seq, seq, seq, **kw), sets,
+                                None))
             if "peers" in variants:
-                t_sdpa = _backward_us(lambda s: F.scaled_dot_product_attention(*s[0], is_causal=causal), sdpa_sets,
-                                      args, "SDPA")
+                entries.append(("sdpa", "SDPA", lambda s: F.scaled_dot_product_attention(*s[0], is_causal=causal),
+                                sdpa_sets, None))
             if "softcap" in variants:
                 capped = lambda s: jitattn.varlen_attn(*s[0], cu_seq, cu_seq, seq, seq, window_size=window,
                                                        softcap=args.softcap or 50.0)
-                results["softcap"] = _backward_us(capped, sets, args, "jitattn softcap")
+                entries.append(("softcap", "jitattn softcap", capped, sets, None))
+            medians, per_round = _backward_rounds([e[1:] for e in entries], args)
+            results = {e[0]: t for e, t in zip(entries, medians)}
+            t_det, t_torch, t_sdpa = results.get("det"), results.get("torch"), results.get("sdpa")
             t_ours = results[None]
             _sanity_grads(ours, sets[0], lambda: F.scaled_dot_product_attention(*sdpa_sets[0][0], is_causal=causal),
                           sdpa_sets[0], (batch, seq, heads, head_dim), f"backward d{head_dim} causal={causal} vs SDPA")
@@ -518,14 +551,14 @@ def bench_backward(args):
             cost = "-" if t_ours is None or t_det is None else f"{t_det / t_ours:.2f}x"
             print(f"| {head_dim} | {heads} | {causal} | {fmt(t_ours)} | {fmt(tf(t_ours))} | {fmt(tf(t_det))} "
                   f"| {fmt(tf(t_torch))} | {fmt(tf(t_sdpa))} | {ratio(t_ours, t_torch)} | {ratio(t_ours, t_sdpa)} "
-                  f"| {cost} |", flush=True)
+                  f"| {cost} | {spread(flops, per_round)} |", flush=True)
             for tile in rungs[1:] + (["softcap"] if "softcap" in results else []):
                 t = results[tile]
                 other = "wgmma with producer" if head_dim not in launch.PRODUCER_HEAD_DIMS else "wgmma without producer"
                 name = ({"mma": "mma.sync rung", "other": other, "softcap": f"softcap {args.softcap or 50.0:g}"}.get(tile)
                         or f"mma.sync n{tile[0]}m{tile[1]}q{tile[2]}")
                 print(f"|  | {name} | {causal} | {fmt(t)} | {fmt(tf(t))} | | | "
-                      f"| {ratio(t, t_torch)} | {ratio(t, t_sdpa)} | |", flush=True)
+                      f"| {ratio(t, t_torch)} | {ratio(t, t_sdpa)} | | |", flush=True)
         del sets
         torch.cuda.empty_cache()
     if "skewed" in variants:
@@ -564,15 +597,12 @@ def bench_backward_skewed(args):
     for _ in range(sets_needed(5 * tokens * heads * head_dim * 2)):
         leaves = tuple(torch.randn(tokens, heads, head_dim, device="cuda", dtype=BF16).requires_grad_() for _ in range(3))
         sets.append((leaves, torch.randn(tokens, heads, head_dim, device="cuda", dtype=BF16)))
-    t_ours = _backward_us(lambda s: jitattn.varlen_attn(*s[0], cu_seq, cu_seq, longest, longest, window_size=(-1, 0)),
-                          sets, args, "jitattn")
-    with _deterministic(True):
-        t_det = _backward_us(lambda s: jitattn.varlen_attn(*s[0], cu_seq, cu_seq, longest, longest,
-                                                           window_size=(-1, 0)), sets, args, "jitattn deterministic")
-    t_torch = None
+    ours = lambda s: jitattn.varlen_attn(*s[0], cu_seq, cu_seq, longest, longest, window_size=(-1, 0))
+    entries = [("jitattn", ours, sets, None), ("jitattn deterministic", ours, sets, lambda: _deterministic(True))]
     if fn is not None and kw is not None:
-        t_torch = _backward_us(lambda s: fn(*s[0], cu_seq, cu_seq, longest, longest, **kw), sets, args,
-                               "torch varlen_attn")
+        entries.append(("torch varlen_attn", lambda s: fn(*s[0], cu_seq, cu_seq, longest, longest, **kw), sets, None))
+    (t_ours, t_det, *rest), _ = _backward_rounds(entries, args)
+    t_torch = rest[0] if rest else None
     print(f"\n### backward, skewed batch: causal bf16 D{head_dim}, {heads} heads, lengths {sorted(lengths)}\n")
     print("| implementation | backward us | TFLOP/s | jitattn speedup |")
     print("|---|---:|---:|---:|")
