@@ -400,8 +400,8 @@ def test_cache_root_below_a_file_raises_cache_not_writable(tmp_path, monkeypatch
 
 
 def test_each_varlen_tile_shape_compiles_and_registers_its_ops(tmp_path, monkeypatch):
-    """The varlen family's tile shapes (prefill, decode, and the Hopper wgmma prefill), paged and
-    not: real nvcc builds through the pipeline (sm_90; sm_90a for wgmma), each loaded with its
+    """The varlen family's tile shapes (prefill, decode, and the Hopper wgmma prefill, also its
+    persistent schedule), paged and not: real nvcc builds through the pipeline (sm_90; sm_90a for wgmma), each loaded with its
     run and ctas_per_sm ops."""
     import torch
 
@@ -409,7 +409,9 @@ def test_each_varlen_tile_shape_compiles_and_registers_its_ops(tmp_path, monkeyp
     monkeypatch.setattr(loader, "_modules", {})
     for spec in (VarlenSpec(head_dim=64, dtype="bfloat16", paged=True, decode=False),
                  VarlenSpec(head_dim=64, dtype="float16", paged=False, decode=True),
-                 VarlenSpec(head_dim=128, dtype="bfloat16", paged=False, decode=False, wgmma=True)):
+                 VarlenSpec(head_dim=128, dtype="bfloat16", paged=False, decode=False, wgmma=True),
+                 VarlenSpec(head_dim=128, dtype="bfloat16", paged=False, decode=False, wgmma=True, tma=True,
+                            persistent=True)):
         module, was_compiled = loader.build_spec(spec)
         assert was_compiled and cache.why_invalid(module.entry.path) is None
         assert ("sm90a" in module.entry.path.parent.name) == spec.wgmma

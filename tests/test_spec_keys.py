@@ -588,6 +588,33 @@ def test_split_kv_is_a_spec_field_that_round_trips(head_dim, paged, tma):
     assert "constexpr bool SPLIT_KV = false;" in plain and "full_v[STAGES]" not in plain
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_persistent_is_a_spec_field_that_round_trips(paged):
+    base = VarlenSpec(head_dim=128, dtype="bfloat16", paged=paged, wgmma=True, tma=True)
+    assert base.persistent is False  # a CTA per row block
+    persistent = dataclasses.replace(base, persistent=True)
+    kernels = _a_new_kernel_of_its_own(base, persistent, "persistent", "_persistent")
+    assert "constexpr bool PERSISTENT = true;" in kernels and "__shared__ Work item_work[ITEM_SLOTS];" in kernels
+    assert "std::min<int64_t>(ctas, resident)" in kernels  # the grid: what fits on the GPU at once
+    plain = render.render(base, "ns")["kernels.cu"]
+    assert "constexpr bool PERSISTENT = false;" in plain and "Work item_work" not in plain
+    assert "const int grid = static_cast<int>(ctas);" in plain
+
+
+@pytest.mark.parametrize("fields", [
+    dict(head_dim=64, wgmma=True, tma=True),                   # three compute warpgroups, 192 rows > 128 keys
+    dict(head_dim=256, wgmma=True, tma=True, split_kv=True),   # K and V on their own barriers
+    dict(head_dim=128, wgmma=True),                            # Q and K / V by cp.async only
+    dict(head_dim=128, wgmma=True, tma=True, pingpong=True),   # the deferred GEMM orders
+    dict(head_dim=128, wgmma=True, tma=True, block_n=64),      # O (128 rows) does not fit a K stage
+    dict(head_dim=128),                                        # mma.sync
+    dict(head_dim=128, decode=True, tma=True),                 # the decode tile
+])
+def test_persistent_takes_the_two_warpgroup_tma_producer_kernel_only(fields):
+    with pytest.raises(ValueError, match="persistent=True"):
+        VarlenSpec(dtype="bfloat16", **fields, persistent=True)
+
+
 def test_calls_take_split_kv_at_d256_by_tma_with_its_two_stage_tile():
     assert VarlenSpec.takes_split_kv(256, True, True)
     assert not any(VarlenSpec.takes_split_kv(d, True, True) for d in (64, 128, 192))

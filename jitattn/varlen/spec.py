@@ -50,7 +50,10 @@ class VarlenSpec(KernelSpec):
     from shared memory, two warpgroups of 64 rows each (three at D64 with TMA: default_tile). `soft_cap` adds the logit soft cap
     (Gemma-2's): logits cap * tanh(scale * q.k / cap), cap a runtime argument. The tile fields
     (warps_m, m_tiles, block_n, stages) default to 0, which means the tuned shape for the head_dim
-    (`default_tile`); they are resolved on construction, so a spec always names its exact tile."""
+    (`default_tile`); they are resolved on construction, so a spec always names its exact tile.
+    `persistent` (the D128 TMA producer tile only) launches one CTA per SM that walks the row
+    blocks (templates/varlen/kernels.cu.j2, PERSISTENT): measured +2..9% on the H200, not yet
+    what calls take (notes/forward-h200.md)."""
 
     family: ClassVar[str] = "varlen"
     sources: ClassVar[dict[str, str]] = {
@@ -72,6 +75,7 @@ class VarlenSpec(KernelSpec):
     overlap: bool = False   # wgmma with the producer: softmax of S_j under O += P_{j-1} V_{j-1}
     tma: bool = False       # K/V tiles by TMA: wgmma with the producer, or decode tiles (calls take `takes_tma`)
     split_kv: bool = False  # wgmma with the producer: K and V on their own mbarriers (calls take `takes_split_kv`)
+    persistent: bool = False  # prefill, producer, TMA, two compute warpgroups: a CTA per SM walks many row blocks
 
     def __post_init__(self):
         if self.wgmma and not self.wgmma_fits(self.head_dim, self.decode):
@@ -96,6 +100,12 @@ class VarlenSpec(KernelSpec):
         if self.split_kv and (self.pingpong or self.overlap):
             raise ValueError("varlen split_kv=True hands K and V back at fixed points of the plain GEMM order; "
                              "it does not combine with pingpong / overlap")
+        if self.persistent and not (self.has_producer and self.tma and not self.decode and self.warps_m == 8
+                                    and self.block_m <= self.block_n and not (self.pingpong or self.overlap
+                                                                              or self.split_kv)):
+            raise ValueError("varlen persistent=True runs the prefill producer kernel with TMA, two compute "
+                             "warpgroups, the plain GEMM order and BLOCK_M <= block_n (its output is staged in "
+                             f"the last key tile's stage): got {self.name}")
         for name in ("pingpong", "overlap", "split_kv") + (() if self.decode else ("tma",)):
             if getattr(self, name) and not self.has_producer:
                 raise ValueError(f"varlen {name}=True schedules the wgmma rung's producer warpgroup, which head_dim "
@@ -244,7 +254,7 @@ class VarlenSpec(KernelSpec):
     def name(self) -> str:
         tile = f"m{self.warps_m}x{self.m_tiles}n{self.block_n}s{self.stages}"
         tile += ("_pingpong" if self.pingpong else "") + ("_overlap" if self.overlap else "") + ("_tma" if self.tma else "")
-        tile += "_splitkv" if self.split_kv else ""
+        tile += ("_splitkv" if self.split_kv else "") + ("_persistent" if self.persistent else "")
         return (f"varlen_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{'_paged' if self.paged else ''}"
                 f"_{'decode' if self.decode else 'prefill'}{'_wgmma' if self.wgmma else ''}"
                 f"{'_cap' if self.soft_cap else ''}_{tile}")

@@ -14,6 +14,7 @@ struct VarlenParams {
   const int* seqused_k;       // (N,) or nullptr
   const int* block_table;     // (N, max_pages) when paged
   int* bad_page;              // debug: {flag, sequence, logical page} of an out-of-range page id
+  int* work_counter;          // persistent kernels: items taken past each CTA's first (zeroed per call)
   int64_t q_stride_token, q_stride_head;
   int64_t out_stride_token, out_stride_head;
   int64_t k_stride_page, k_stride_token, k_stride_head;  // unpaged: k_stride_page unused
