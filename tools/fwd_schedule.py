@@ -7,7 +7,7 @@ paged batch. The schedules and SDPA are timed in interleaved rounds (the clocks 
 by as much as the differences being judged), each cell the median with the rounds' min-max.
   python tools/fwd_schedule.py [--quick] [--head-dims 64 128 256] [--rounds 3]
 Variants (--schedules) are "none", "pingpong", "overlap", "pingpong,overlap", "default", each
-optionally for one head_dim, with the flags split_kv and tma, and with tile fields:
+optionally for one head_dim, with the flags split_kv, tma and persistent, and with tile fields:
 "d128:block_n=96,stages=4,pingpong", "d256:block_n=80,stages=2,tma,split_kv". Every variant but
 "default" turns off what it does not name (so "none" at D256 is the call's 80 x 2 tile without
 split_kv); --packed-only skips the paged checks for tiles the paged TMA producer cannot take.
@@ -32,7 +32,7 @@ def parse(variant: str) -> tuple[int | None, dict]:
     head_dim, _, fields = variant.rpartition(":")
     overrides = {"pingpong": False, "overlap": False, "split_kv": False} if fields != "default" else {}
     for item in fields.split(","):
-        if item in ("pingpong", "overlap", "split_kv", "tma"):
+        if item in ("pingpong", "overlap", "split_kv", "tma", "persistent"):
             overrides[item] = True
         elif "=" in item:
             name, value = item.split("=")
@@ -87,12 +87,6 @@ def check_schedule(head_dim: int, paged: bool = True) -> float:
 
 
 def main():
-    import torch
-    import torch.nn.functional as F
-
-    import jitattn
-    from bench_util import interleaved_us, median_spread, sets_needed, time_us
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 256])
@@ -100,10 +94,10 @@ def main():
     parser.add_argument("--packed-only", action="store_true",
                         help="check packed keys only: for tiles the paged TMA producer cannot take (block_n > 128)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (bench_util.interleaved_us)")
+    parser.add_argument("--shapes", nargs="+", default=["8x4096"],
+                        help="sequences x tokens each (same tokens: 32x1024 weighs a CTA's start and end more)")
     args = parser.parse_args()
     reps = 10 if args.quick else 30
-    bf16, batch, seq = torch.bfloat16, 8, 4096
-    cu_seq = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device="cuda")
     for name in args.schedules:
         use_schedule(name)
         for d in args.head_dims:
@@ -113,7 +107,23 @@ def main():
                 print(f"check {name} d{d}: ok, worst rel err {check_schedule(d, not args.packed_only):.2e}", flush=True)
             except AssertionError as exc:
                 print(f"check {name} d{d}: FAILED {str(exc)[:300]}", flush=True)
-    print(f"\nTFLOP/s, the median over {args.rounds} interleaved rounds (min-max over rounds in brackets)")
+    for shape in args.shapes:
+        batch, seq = (int(x) for x in shape.split("x"))
+        bench_shape(args, reps, batch, seq)
+    use_schedule("default")
+
+
+def bench_shape(args, reps: int, batch: int, seq: int):
+    import torch
+    import torch.nn.functional as F
+
+    import jitattn
+    from bench_util import interleaved_us, median_spread, sets_needed, time_us
+
+    bf16 = torch.bfloat16
+    cu_seq = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device="cuda")
+    print(f"\n{batch} x {seq} tokens, TFLOP/s, the median over {args.rounds} interleaved rounds (min-max over rounds "
+          "in brackets)")
     print("\n| D | causal | " + " | ".join(f"{n} TFLOP/s" for n in args.schedules) + " | SDPA TFLOP/s | best / SDPA |")
     print("|---:|---|" + "---:|" * (len(args.schedules) + 2))
     for head_dim in args.head_dims:
@@ -144,7 +154,6 @@ def main():
                   f" | {cell('SDPA')} | {best / tf['SDPA'][0]:.2f}x |", flush=True)
         del sets
         torch.cuda.empty_cache()
-    use_schedule("default")
 
 
 if __name__ == "__main__":
