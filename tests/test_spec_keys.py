@@ -588,9 +588,10 @@ def test_split_kv_is_a_spec_field_that_round_trips(head_dim, paged, tma):
     assert "constexpr bool SPLIT_KV = false;" in plain and "full_v[STAGES]" not in plain
 
 
-@pytest.mark.parametrize("paged", [False, True])
-def test_persistent_is_a_spec_field_that_round_trips(paged):
-    base = VarlenSpec(head_dim=128, dtype="bfloat16", paged=paged, wgmma=True, tma=True)
+@pytest.mark.parametrize("head_dim, paged", [(128, False), (128, True), (64, False), (256, False), (256, True)])
+def test_persistent_is_a_spec_field_that_round_trips(head_dim, paged):
+    base = VarlenSpec(head_dim=head_dim, dtype="bfloat16", paged=paged, wgmma=True, tma=True,
+                      split_kv=VarlenSpec.takes_split_kv(head_dim, True, True))
     assert base.persistent is False  # a CTA per row block
     persistent = dataclasses.replace(base, persistent=True)
     kernels = _a_new_kernel_of_its_own(base, persistent, "persistent", "_persistent")
@@ -602,15 +603,14 @@ def test_persistent_is_a_spec_field_that_round_trips(paged):
 
 
 @pytest.mark.parametrize("fields", [
-    dict(head_dim=64, wgmma=True, tma=True),                   # three compute warpgroups, 192 rows > 128 keys
-    dict(head_dim=256, wgmma=True, tma=True, split_kv=True),   # K and V on their own barriers
     dict(head_dim=128, wgmma=True),                            # Q and K / V by cp.async only
     dict(head_dim=128, wgmma=True, tma=True, pingpong=True),   # the deferred GEMM orders
-    dict(head_dim=128, wgmma=True, tma=True, block_n=64),      # O (128 rows) does not fit a K stage
+    dict(head_dim=128, wgmma=True, tma=True, overlap=True),
+    dict(head_dim=128, wgmma=True, tma=True, block_n=48),      # O's 128 rows fit neither a K nor a V stage
     dict(head_dim=128),                                        # mma.sync
     dict(head_dim=128, decode=True, tma=True),                 # the decode tile
 ])
-def test_persistent_takes_the_two_warpgroup_tma_producer_kernel_only(fields):
+def test_persistent_takes_the_tma_producer_kernels_only(fields):
     with pytest.raises(ValueError, match="persistent=True"):
         VarlenSpec(dtype="bfloat16", **fields, persistent=True)
 

@@ -51,8 +51,8 @@ class VarlenSpec(KernelSpec):
     (Gemma-2's): logits cap * tanh(scale * q.k / cap), cap a runtime argument. The tile fields
     (warps_m, m_tiles, block_n, stages) default to 0, which means the tuned shape for the head_dim
     (`default_tile`); they are resolved on construction, so a spec always names its exact tile.
-    `persistent` (the D128 TMA producer tile only) launches one CTA per SM that walks the row
-    blocks (templates/varlen/kernels.cu.j2, PERSISTENT): measured +2..9% on the H200, not yet
+    `persistent` (the TMA producer tiles) launches one CTA per SM that walks the row blocks
+    (templates/varlen/kernels.cu.j2, PERSISTENT): measured +2..9% at D128 on the H200, not yet
     what calls take (notes/forward-h200.md)."""
 
     family: ClassVar[str] = "varlen"
@@ -75,7 +75,7 @@ class VarlenSpec(KernelSpec):
     overlap: bool = False   # wgmma with the producer: softmax of S_j under O += P_{j-1} V_{j-1}
     tma: bool = False       # K/V tiles by TMA: wgmma with the producer, or decode tiles (calls take `takes_tma`)
     split_kv: bool = False  # wgmma with the producer: K and V on their own mbarriers (calls take `takes_split_kv`)
-    persistent: bool = False  # prefill, producer, TMA, two compute warpgroups: a CTA per SM walks many row blocks
+    persistent: bool = False  # prefill, producer, TMA, plain GEMM order: a CTA per SM walks many row blocks
 
     def __post_init__(self):
         if self.wgmma and not self.wgmma_fits(self.head_dim, self.decode):
@@ -100,12 +100,13 @@ class VarlenSpec(KernelSpec):
         if self.split_kv and (self.pingpong or self.overlap):
             raise ValueError("varlen split_kv=True hands K and V back at fixed points of the plain GEMM order; "
                              "it does not combine with pingpong / overlap")
-        if self.persistent and not (self.has_producer and self.tma and not self.decode and self.warps_m == 8
-                                    and self.block_m <= self.block_n and not (self.pingpong or self.overlap
-                                                                              or self.split_kv)):
-            raise ValueError("varlen persistent=True runs the prefill producer kernel with TMA, two compute "
-                             "warpgroups, the plain GEMM order and BLOCK_M <= block_n (its output is staged in "
-                             f"the last key tile's stage): got {self.name}")
+        # O of the warpgroups past the K stage's block_n // 64 goes into the V stage (block_n keys).
+        staged_in_v = (self.warps_m // 4 - self.block_n // 64) * 64
+        if self.persistent and not (self.has_producer and self.tma and not self.decode and staged_in_v <= self.block_n
+                                    and not (self.pingpong or self.overlap)):
+            raise ValueError("varlen persistent=True runs the prefill producer kernel with TMA and the plain GEMM "
+                             "order, its output staged in the last key tile's K / V stage (block_n keys each): "
+                             f"got {self.name}")
         for name in ("pingpong", "overlap", "split_kv") + (() if self.decode else ("tma",)):
             if getattr(self, name) and not self.has_producer:
                 raise ValueError(f"varlen {name}=True schedules the wgmma rung's producer warpgroup, which head_dim "
