@@ -410,8 +410,8 @@ def test_each_varlen_tile_shape_compiles_and_registers_its_ops(tmp_path, monkeyp
     for spec in (VarlenSpec(head_dim=64, dtype="bfloat16", paged=True, decode=False),
                  VarlenSpec(head_dim=64, dtype="float16", paged=False, decode=True),
                  VarlenSpec(head_dim=128, dtype="bfloat16", paged=False, decode=False, wgmma=True),
-                 VarlenSpec(head_dim=128, dtype="bfloat16", paged=False, decode=False, wgmma=True, tma=True,
-                            persistent=True)):
+                 *(VarlenSpec(head_dim=d, dtype="bfloat16", paged=False, decode=False, wgmma=True, tma=True,
+                              split_kv=d == 256, persistent=True) for d in (64, 128, 256))):
         module, was_compiled = loader.build_spec(spec)
         assert was_compiled and cache.why_invalid(module.entry.path) is None
         assert ("sm90a" in module.entry.path.parent.name) == spec.wgmma
