@@ -92,17 +92,22 @@ def timed(fns, args, what):
         return None
 
 
-def rounds_median(calls, args):
-    """Median us of each of `calls` ([(fns, what)], fns as for timed) over args.rounds
-    interleaved rounds (every call timed once per round, in turn), and the first call's
-    per-round us. The H200's clocks drift within a job (the same kernel measured 639 then 564
-    TFLOP/s minutes apart, and SDPA's D128 causal backward 442-517 between processes): timed one
-    after another, two implementations differ by the drift; interleaved, each round meets every
-    implementation at about the same clock."""
-    rounds = [[timed(f, args, what) for f, what in calls] for _ in range(args.rounds)]
+def interleaved_median(timers, args):
+    """Median us of each of `timers` (no-argument functions that time once: us, or None when the
+    implementation cannot run) over args.rounds interleaved rounds (each timed once a round, in
+    turn; None if any round was), and the first timer's per-round us. The H200's clocks drift
+    within a job (the same kernel measured 639 then 564 TFLOP/s minutes apart, and SDPA's D128
+    causal backward 442-517 between processes): timed one after another, two implementations
+    differ by the drift; interleaved, each round meets every one at about the same clock."""
+    rounds = [[timer() for timer in timers] for _ in range(args.rounds)]
     medians = [None if any(r[i] is None for r in rounds) else statistics.median(r[i] for r in rounds)
-               for i in range(len(calls))]
+               for i in range(len(timers))]
     return medians, [r[0] for r in rounds]
+
+
+def rounds_median(calls, args):
+    """interleaved_median of timed(fns) for each (fns, what) of `calls`."""
+    return interleaved_median([lambda f=f, what=what: timed(f, args, what) for f, what in calls], args)
 
 
 def spread(flops, times):
@@ -472,20 +477,17 @@ def _backward_us(forward, sets, args, what):
 
 
 def _backward_rounds(entries, args):
-    """Median backward us of each entry (what, forward, sets, context factory) over args.rounds
-    interleaved rounds (see rounds_median), and the first entry's per-round us."""
+    """interleaved_median of the backward us of each entry (what, forward, sets, context factory
+    or None)."""
     import contextlib
 
-    rounds = []
-    for _ in range(args.rounds):
-        row = []
-        for what, forward, sets, ctx in entries:
+    def timer(what, forward, sets, ctx):
+        def run():
             with (ctx or contextlib.nullcontext)():
-                row.append(_backward_us(forward, sets, args, what))
-        rounds.append(row)
-    medians = [None if any(r[i] is None for r in rounds) else statistics.median(r[i] for r in rounds)
-               for i in range(len(entries))]
-    return medians, [r[0] for r in rounds]
+                return _backward_us(forward, sets, args, what)
+        return run
+
+    return interleaved_median([timer(*e) for e in entries], args)
 
 
 def bench_backward(args):
