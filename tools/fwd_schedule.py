@@ -10,10 +10,12 @@ Variants (--schedules) are "none", "pingpong", "overlap", "pingpong,overlap", "d
 optionally for one head_dim, with the flags split_kv, tma and persistent, and with tile fields:
 "d128:block_n=96,stages=4,pingpong", "d256:block_n=80,stages=2,tma,split_kv". Every variant but
 "default" turns off what it does not name (so "none" at D256 is the call's 80 x 2 tile without
-split_kv); --packed-only skips the paged checks for tiles the paged TMA producer cannot take.
+split_kv, and "d128:tma" the D128 kernel a CTA per row block); --packed-only skips the paged
+checks for tiles the paged TMA producer cannot take.
 As a pytest plugin: FWD_SCHEDULE=<variant> python -m
 pytest -p fwd_schedule ... (tools/ on sys.path) runs every call on that schedule instead of the
-spec's default, so the GPU tests cover a schedule before it becomes one.
+spec's default, so the GPU tests cover a schedule before it becomes one; variants for several
+head dims go separated by ";" (FWD_SCHEDULE="d64:tma,persistent;d128:tma,persistent").
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ def parse(variant: str) -> tuple[int | None, dict]:
     """"pingpong,overlap" / "none" / "default", optionally "d128:" first and tile fields
     ("d128:block_n=96,stages=4,pingpong"): (head_dim it is for or None, VarlenSpec overrides)."""
     head_dim, _, fields = variant.rpartition(":")
-    overrides = {"pingpong": False, "overlap": False, "split_kv": False} if fields != "default" else {}
+    overrides = ({"pingpong": False, "overlap": False, "split_kv": False, "persistent": False}
+                 if fields != "default" else {})
     for item in fields.split(","):
         if item in ("pingpong", "overlap", "split_kv", "tma", "persistent"):
             overrides[item] = True
@@ -41,19 +44,19 @@ def parse(variant: str) -> tuple[int | None, dict]:
 
 
 def use_schedule(variant: str) -> None:
-    """Every later varlen call runs the wgmma kernels with producer as `variant` says (parse)."""
+    """Every later varlen call runs the wgmma kernels with producer as `variant` says (parse);
+    several variants, each for its own head_dim, go separated by ";" ("d64:tma,persistent;d128:...")."""
     from jitattn.varlen import forward, spec
 
     forward._kernels.clear()
-    head_dim, overrides = parse(variant)
+    by_head_dim = dict(parse(v) for v in variant.split(";"))
 
     def make(*args, **kwargs):
         made = spec.VarlenSpec(*args, **kwargs)
-        if not made.has_producer or head_dim not in (None, made.head_dim):
-            return made
-        return dataclasses.replace(made, **overrides)
+        overrides = by_head_dim.get(made.head_dim, by_head_dim.get(None))
+        return dataclasses.replace(made, **overrides) if made.has_producer and overrides else made
 
-    forward.VarlenSpec = make if overrides else spec.VarlenSpec
+    forward.VarlenSpec = make if any(by_head_dim.values()) else spec.VarlenSpec
 
 
 def pytest_configure(config):
