@@ -428,14 +428,16 @@ def test_prewarm_varlen_dry_run_lists_what_calls_on_the_arch_run(capsys, no_buil
     may run on sm_90 (both paging modes and tile shapes; prefill on the wgmma rung there)."""
     got, out = dry_run(capsys, "prewarm", "--family", "varlen", "--head-dim", "64,128", "--dtype", "bfloat16",
                        "--arch", "9.0")
-    # TMA: every prefill at D64 and D128, and, if DECODE_TMA, the paged D128 decode tile.
+    # TMA: every prefill at D64 and D128, and, if DECODE_TMA, the paged D128 decode tile; the
+    # prefill kernels persistent (VarlenSpec.takes_persistent).
     want = [VarlenSpec(d, "bfloat16", paged, decode, wgmma=not decode,
-                       tma=VarlenSpec.takes_tma(d, paged, decode, not decode))
+                       tma=VarlenSpec.takes_tma(d, paged, decode, not decode), persistent=not decode)
             for d in (64, 128) for paged in (False, True) for decode in (False, True)]
     assert [s.tma for s in want] == [True, False, True, False, True, False, True, False]
     assert [registry.spec_from_dict(d) for d in got] == want
     assert "prewarm --dry-run: 8 specializations for 9.0" in out
-    assert "varlen_bf16_d64_prefill_wgmma_m12x1n128s4_tma  [9.0a]" in out and "varlen_bf16_d64_decode_m1x1n64s3  [9.0]" in out
+    assert "varlen_bf16_d64_prefill_wgmma_m12x1n128s4_tma_persistent  [9.0a]" in out
+    assert "varlen_bf16_d64_decode_m1x1n64s3  [9.0]" in out
 
 
 def test_prewarm_paged_decode_on_hopper_and_another_gpu_lists_both_copies(capsys, no_builds, monkeypatch):
@@ -484,7 +486,8 @@ def test_varlen_switches_pick_paging_tile_and_rung(capsys, no_builds):
                                                          for w in (False, True)]
     got, out = dry_run(capsys, "prewarm", "--family", "varlen", "--head-dim", "128", "--decode", "off", "--paged",
                        "off", "--arch", "8.0;9.0")  # an A100 too: the mma.sync prefill rung for it
-    assert [registry.spec_from_dict(d) for d in got] == [VarlenSpec(128, "float16", False, False, wgmma=True, tma=True),
+    assert [registry.spec_from_dict(d) for d in got] == [VarlenSpec(128, "float16", False, False, wgmma=True, tma=True,
+                                                                    persistent=True),
                                                          VarlenSpec(128, "float16", False, False)]
     assert "[9.0a]" in out and "[8.0,9.0]" in out
 
@@ -513,7 +516,8 @@ def test_the_backward_family_takes_the_same_flags(capsys, no_builds):
     got, _ = dry_run(capsys, "prewarm", "--family", "varlen,varlen_backward", "--head-dim", "128", "--paged", "off",
                      "--decode", "off", "--arch", "8.0;9.0")
     assert [registry.spec_from_dict(d) for d in got] == [
-        VarlenSpec(128, "float16", False, False, wgmma=True, tma=True), VarlenSpec(128, "float16", False, False),
+        VarlenSpec(128, "float16", False, False, wgmma=True, tma=True, persistent=True),
+        VarlenSpec(128, "float16", False, False),
         VarlenBackwardSpec(128, "float16", wgmma=True, producer=True, persistent=True),
         VarlenBackwardSpec(128, "float16", wgmma=True, producer=True), VarlenBackwardSpec(128, "float16")]
 

@@ -75,46 +75,51 @@ def test_both_prefill_rungs_match_reference(case, wgmma, monkeypatch):
     test_skewed_batch_matches_reference(case)
 
 
-# ---------------------------------------------------------------- the persistent D128 prefill
-PERSISTENT = [(t, w, p) for d, t, w, p in SKEWED if d == 128]
+# ---------------------------------------------------------------- the two prefill schedules
+# Calls take the persistent kernel at D64 / D128 (VarlenSpec.takes_persistent: a CTA per SM walks
+# the row blocks); the other schedule (a CTA per row block) must give the same bits.
+PERSISTENT = [(d, t, w, p) for d, t, w, p in SKEWED if d in (64, 128)]
 
 
-def _persistent_calls(monkeypatch):
-    """From here on the D128 wgmma prefill calls run VarlenSpec(..., persistent=True)."""
+def _schedule_calls(monkeypatch, persistent: bool):
+    """From here on the D64 / D128 wgmma prefill calls with the TMA producer run VarlenSpec(...,
+    persistent=persistent)."""
     import dataclasses
 
     import jitattn.varlen.forward as forward_module
 
     made = forward_module.call_spec
 
-    def persistent_spec(*args, **kwargs):
+    def scheduled_spec(*args, **kwargs):
         spec = made(*args, **kwargs)
-        if spec.wgmma and spec.tma and not spec.decode and spec.head_dim == 128:
-            return dataclasses.replace(spec, persistent=True)
+        if spec.wgmma and spec.tma and not spec.decode and spec.head_dim in (64, 128):
+            return dataclasses.replace(spec, persistent=persistent)
         return spec
 
-    monkeypatch.setattr(forward_module, "call_spec", persistent_spec)
+    monkeypatch.setattr(forward_module, "call_spec", scheduled_spec)
     monkeypatch.setattr(forward_module, "_kernels", {})
 
 
 @pytest.mark.parametrize("case", range(len(PERSISTENT)),
-                         ids=[f"{str(t)[6:]}-w{w[0]}_{w[1]}-{'paged' if p else 'packed'}" for t, w, p in PERSISTENT])
-def test_persistent_prefill_matches_reference_and_the_default_bitwise(case, monkeypatch):
+                         ids=[f"d{d}-{str(t)[6:]}-w{w[0]}_{w[1]}-{'paged' if p else 'packed'}" for d, t, w, p in PERSISTENT])
+def test_persistent_prefill_matches_reference_and_the_other_schedule_bitwise(case, monkeypatch):
     """The persistent kernel (a CTA per SM walking the row blocks, VarlenSpec.persistent) on the
     skewed batches of every window, GQA, splits, lse, paged and packed: the float64 reference,
-    and the same bits as the default kernel (each row block's arithmetic is a CTA's), twice."""
-    dtype, window, paged = PERSISTENT[case]
+    the same bits as the kernel a CTA per row block (each row block's arithmetic is a CTA's),
+    and the same bits again on a second run."""
+    head_dim, dtype, window, paged = PERSISTENT[case]
     rng = random.Random(900 + case)
     h_q, h_kv = HEADS[rng.randrange(3)]
     num_splits = rng.choice([None, 1, 2])
     len_q, len_k = skewed_lengths(rng)
-    b = make_batch(len_q, len_k, h_q, h_kv, 128, dtype, seed=900 + case, paged=paged,
+    b = make_batch(len_q, len_k, h_q, h_kv, head_dim, dtype, seed=900 + case, paged=paged,
                    page_size=rng.choice([1, 16, 256]), slack=rng.randint(0, 40), use_seqused=rng.random() < 0.3)
-    default = run(b, window=window, num_splits=num_splits, want_lse=True)
-    _persistent_calls(monkeypatch)
+    _schedule_calls(monkeypatch, persistent=False)
+    per_block = run(b, window=window, num_splits=num_splits, want_lse=True)
+    _schedule_calls(monkeypatch, persistent=True)
     out, lse = run(b, window=window, num_splits=num_splits, want_lse=True)
     check(b, out, lse, reference(b, window), f"persistent window={window} splits={num_splits}")
-    assert torch.equal(out, default[0]) and torch.equal(lse, default[1]), "persistent and default kernels differ"
+    assert torch.equal(out, per_block[0]) and torch.equal(lse, per_block[1]), "the two schedules differ"
     again = run(b, window=window, num_splits=num_splits, want_lse=True)
     assert torch.equal(again[0], out) and torch.equal(again[1], lse), "persistent kernel not run-to-run identical"
 

@@ -202,10 +202,23 @@ def test_hopper_prefill_takes_the_wgmma_rung(launches, monkeypatch):
     for d in (64, 128, 256):
         spec, run = launch(launches, **batch([4096] * 2, [4096] * 2, h_q=16, h_kv=16, d=d), window_size=(-1, 0))
         assert spec == VarlenSpec(d, "bfloat16", paged=False, decode=False, wgmma=True,
-                                  tma=VarlenSpec.takes_tma(d, False, False, True), split_kv=d == 256)
+                                  tma=VarlenSpec.takes_tma(d, False, False, True), split_kv=d == 256,
+                                  persistent=d != 256)
         assert spec.tma  # packed keys by TMA where it measured faster: D64 / D128, D256 with split_kv
+        assert spec.persistent is (d in (64, 128))  # a CTA per SM walks the row blocks there
         assert (spec.block_m, spec.block_n, spec.stages) == {64: (192, 128, 4), 128: (128, 128, 3), 256: (128, 80, 2)}[d]
         assert run["m_blocks"] == -(-4096 // spec.block_m) and spec.archs_for(("9.0",)) == ("9.0a",)
+
+
+def test_hopper_prefill_calls_take_the_persistent_kernel_at_d64_and_d128_packed_and_paged():
+    for head_dim in (64, 128, 256):
+        for paged in (False, True):
+            for cap in (False, True):
+                spec = varlen.call_spec(head_dim, "bfloat16", paged, False, True, cap)
+                assert spec.persistent is (head_dim != 256), spec.name
+    # never on the decode tile or the mma.sync rung
+    assert not varlen.call_spec(128, "bfloat16", True, True, False, False).persistent
+    assert not varlen.call_spec(128, "bfloat16", False, False, False, False).persistent
 
 
 def test_wgmma_rung_only_where_it_applies(launches, monkeypatch):

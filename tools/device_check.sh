@@ -49,8 +49,9 @@ fi
 #   host: host time per tiny decode call beside SDPA, and the first call in a new process
 #   backward: the varlen backward rows (the shapes, peers, deterministic, skewed)
 #   transformers: tokens/s of a generation and a training step beside sdpa
-#   persistent: the persistent forward (VarlenSpec.persistent) at D64 / D128 / D256 checked against
-#     float64 and timed beside the default and SDPA, under a timeout (a deadlock must not hang the job)
+#   persistent: the forward's other schedule at D64 / D128 / D256 (a CTA per row block where calls
+#     take the persistent kernel, VarlenSpec.takes_persistent, and the persistent one at D256) checked
+#     against float64 and timed beside the default and SDPA, under a timeout (a deadlock must not hang the job)
 bench=${BENCH:-decode}
 wants() { [[ ",$bench," == *",$1,"* || ",$bench," == *",all,"* || ($1 == decode && $bench == 1) ]]; }
 if wants decode; then
@@ -69,7 +70,7 @@ fi
 wants backward && python3 tools/bench_varlen.py --quick --parts backward --bwd-variants mma det peers skewed 2>&1 \
   | tee "$OUT/bench_backward.log"
 wants persistent && timeout 400 python3 tools/fwd_schedule.py --quick --head-dims 64 128 256 --rounds 3 \
-  --shapes 8x4096 32x1024 --schedules default d64:tma,persistent d128:tma,persistent d256:tma,split_kv,persistent 2>&1 \
+  --shapes 8x4096 32x1024 --schedules default d64:tma d128:tma d256:tma,split_kv,persistent 2>&1 \
   | tee "$OUT/fwd_persistent.log"
 wants transformers && python3 tools/bench_transformers.py --layers 2 --new 32 2>&1 | tee "$OUT/bench_transformers.log"
 exit $status

@@ -17,6 +17,7 @@ LOG2E = 1.4426950408889634
 # Bound once, so tools that swap VarlenSpec for a maker (tools/fwd_schedule.py) keep it.
 _takes_tma = VarlenSpec.takes_tma
 _takes_split_kv = VarlenSpec.takes_split_kv
+_takes_persistent = VarlenSpec.takes_persistent
 
 # kernel_key(...) -> (loaded kernel, BLOCK_M, BLOCK_N): the per-call fast path
 _kernels: dict[tuple, tuple[OpKernel, int, int]] = {}
@@ -25,10 +26,12 @@ _kernels: dict[tuple, tuple[OpKernel, int, int]] = {}
 def call_spec(head_dim: int, dtype: str, paged: bool, decode: bool, wgmma: bool, soft_cap: bool,
               decode_hopper: bool = False) -> VarlenSpec:
     """The specialization a call of that shape runs: its tile, and the copies and barriers that
-    measured faster there (VarlenSpec.takes_tma, takes_split_kv). The manifests list these."""
+    measured faster there (VarlenSpec.takes_tma, takes_split_kv, takes_persistent). The manifests
+    list these."""
     tma = _takes_tma(head_dim, paged, decode, wgmma, wgmma or decode_hopper)
     return VarlenSpec(head_dim, dtype, paged, decode, wgmma=wgmma, soft_cap=soft_cap, tma=tma,
-                      split_kv=_takes_split_kv(head_dim, wgmma, tma))
+                      split_kv=_takes_split_kv(head_dim, wgmma, tma),
+                      persistent=_takes_persistent(head_dim, decode, wgmma, tma))
 
 
 def kernel_key(head_dim: int, dtype: torch.dtype, paged: bool, decode: bool, wgmma: bool, soft_cap: bool,

@@ -36,6 +36,17 @@ DQ_KERNEL_HEAD_DIMS: frozenset[int] = frozenset({256})
 # causal, a wash, so D64 stays a CTA per key tile (notes/backward-h200.md).
 PERSISTENT_HEAD_DIMS: frozenset[int] = frozenset({128})
 
+# Head dims whose wgmma prefill with the TMA producer runs persistent (VarlenSpec.persistent: a
+# CTA per SM walks the row blocks; VarlenSpec.takes_persistent). Measured on an H100 (bf16, D*H =
+# 2048, tools/fwd_schedule.py, the default kernel and SDPA in the same interleaved rounds,
+# TFLOP/s full / causal, notes/forward-h200.md): 32 x 1k D64 367 / 265 against 348 / 238, D128
+# 537 / 374 against 507 / 341 (+5..+11%: a row block's start and end leave the critical path);
+# 8 x 4k D64 494 / 428 against 501 / 412, D128 637 / 530 against 621 / 543 (-2..+4%, within the
+# rounds' spread; the H200 had D128 +2.4% / +4.1%). D256 (split_kv, 2 stages of 80 keys) lost
+# 15% at 8 x 4k and 29% at 32 x 1k (not yet understood: with 2 stages, the one that holds an
+# item's O until its stores are done leaves a single stage to start the next item in).
+PERSISTENT_FORWARD_HEAD_DIMS: frozenset[int] = frozenset({64, 128})
+
 
 @register
 @dataclass(frozen=True)
@@ -52,8 +63,7 @@ class VarlenSpec(KernelSpec):
     (warps_m, m_tiles, block_n, stages) default to 0, which means the tuned shape for the head_dim
     (`default_tile`); they are resolved on construction, so a spec always names its exact tile.
     `persistent` (the TMA producer tiles) launches one CTA per SM that walks the row blocks
-    (templates/varlen/kernels.cu.j2, PERSISTENT): measured +2..9% at D128 on the H200, not yet
-    what calls take (notes/forward-h200.md)."""
+    (templates/varlen/kernels.cu.j2, PERSISTENT); calls take it where `takes_persistent` says."""
 
     family: ClassVar[str] = "varlen"
     sources: ClassVar[dict[str, str]] = {
@@ -132,18 +142,21 @@ class VarlenSpec(KernelSpec):
                 for w in rungs:
                     variant = {**fields, "paged": paged, "decode": decode, "wgmma": w}
                     if "tma" not in fields and cls.takes_tma(fields.get("head_dim", 0), paged, decode, w, hopper):
-                        variants.append(cls._with_split_kv({**variant, "tma": True}))
+                        variants.append(cls._with_schedule({**variant, "tma": True}))
                         if w or not other:  # a decode tile on another GPU copies by cp.async
                             continue
-                    variants.append(cls._with_split_kv(variant))
+                    variants.append(cls._with_schedule(variant))
         return variants
 
     @classmethod
-    def _with_split_kv(cls, fields: dict) -> dict:
-        """`fields` with the split_kv a call of that shape takes, unless named."""
-        if "split_kv" in fields or not cls.takes_split_kv(fields.get("head_dim", 0), fields["wgmma"], fields.get("tma", False)):
-            return fields
-        return {**fields, "split_kv": True}
+    def _with_schedule(cls, fields: dict) -> dict:
+        """`fields` with the split_kv and persistent a call of that shape takes, unless named."""
+        head_dim, tma = fields.get("head_dim", 0), fields.get("tma", False)
+        if "split_kv" not in fields and cls.takes_split_kv(head_dim, fields["wgmma"], tma):
+            fields = {**fields, "split_kv": True}
+        if "persistent" not in fields and cls.takes_persistent(head_dim, fields["decode"], fields["wgmma"], tma):
+            fields = {**fields, "persistent": True}
+        return fields
 
     @staticmethod
     def takes_tma(head_dim: int, paged: bool, decode: bool, wgmma: bool, hopper: bool = True) -> bool:
@@ -178,6 +191,13 @@ class VarlenSpec(KernelSpec):
         (128 x 4: 418 / 354 against 432 / 363) lose, so they keep one barrier a stage
         (notes/forward-h200.md)."""
         return wgmma and tma and head_dim == 256
+
+    @staticmethod
+    def takes_persistent(head_dim: int, decode: bool, wgmma: bool, tma: bool) -> bool:
+        """Whether a call's kernel is the persistent one (`persistent`): the wgmma prefill with the
+        TMA producer at PERSISTENT_FORWARD_HEAD_DIMS (D64, D128). Each row block's arithmetic is a
+        CTA's of the other schedule, so outputs are the same bits either way."""
+        return wgmma and tma and not decode and head_dim in PERSISTENT_FORWARD_HEAD_DIMS
 
     @staticmethod
     def wgmma_fits(head_dim: int, decode: bool) -> bool:
