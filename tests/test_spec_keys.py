@@ -597,8 +597,11 @@ def test_persistent_is_a_spec_field_that_round_trips(head_dim, paged):
     kernels = _a_new_kernel_of_its_own(base, persistent, "persistent", "_persistent")
     assert "constexpr bool PERSISTENT = true;" in kernels and "__shared__ Work item_work[ITEM_SLOTS];" in kernels
     assert "std::min<int64_t>(ctas, resident)" in kernels  # the grid: what fits on the GPU at once
+    # O leaves by TMA stores whose stage is released under the next item's first S = Q K^T
+    assert "tma_store_5d(&map_o" in kernels and "if (tile == w.tile_begin) release_staging();" in kernels
     plain = render.render(base, "ns")["kernels.cu"]
     assert "constexpr bool PERSISTENT = false;" in plain and "Work item_work" not in plain
+    assert "map_o" not in plain and "release_staging" not in plain
     assert "const int grid = static_cast<int>(ctas);" in plain
 
 

@@ -44,7 +44,9 @@ PERSISTENT_HEAD_DIMS: frozenset[int] = frozenset({128})
 # 8 x 4k D64 494 / 428 against 501 / 412, D128 637 / 530 against 621 / 543 (-2..+4%, within the
 # rounds' spread; the H200 had D128 +2.4% / +4.1%). D256 (split_kv, 2 stages of 80 keys) lost
 # 15% at 8 x 4k and 29% at 32 x 1k (not yet understood: with 2 stages, the one that holds an
-# item's O until its stores are done leaves a single stage to start the next item in).
+# item's O until its stores are done leaves a single stage to start the next item in). O by TMA
+# stores since (PERSISTENT in templates/varlen/kernels.cu.j2): 32 x 1k D128 557 / 398 against
+# 537 / 372 with the warps' own stores, D64 +0..2%, 8 x 4k level (H100, 3 alternating processes).
 PERSISTENT_FORWARD_HEAD_DIMS: frozenset[int] = frozenset({64, 128})
 
 

@@ -52,6 +52,14 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
                : "memory");
 }
 
+// The same into the box at coordinates (c0 innermost .. c4) of a 5-D tensor map.
+__device__ __forceinline__ void tma_store_5d(const CUtensorMap* map, const void* smem, int c0, int c1, int c2, int c3,
+                                             int c4) {
+  asm volatile("cp.async.bulk.tensor.5d.global.shared::cta.bulk_group [%0, {" "%1, %2, %3, %4, %5}], [%6];\n" ::"l"(map),
+               "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(smem_address(smem))
+               : "memory");
+}
+
 // global[0, bytes) += shared[0, bytes) as fp32 (16-byte aligned, bytes a multiple of 16), one thread.
 __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, const void* smem, uint32_t bytes) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem),
