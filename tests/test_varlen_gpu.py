@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import jitattn
+from jitattn.varlen.spec import PERSISTENT_FORWARD_HEAD_DIMS
 from tests.gpu_utils import rel_error
 from tests.varlen_utils import DEVICE, TOL, Batch, check, close, cu, make_batch, reference, row_range, run
 
@@ -78,12 +79,12 @@ def test_both_prefill_rungs_match_reference(case, wgmma, monkeypatch):
 # ---------------------------------------------------------------- the two prefill schedules
 # Calls take the persistent kernel at D64 / D128 (VarlenSpec.takes_persistent: a CTA per SM walks
 # the row blocks); the other schedule (a CTA per row block) must give the same bits.
-PERSISTENT = [(d, t, w, p) for d, t, w, p in SKEWED if d in (64, 128)]
+PERSISTENT = [(d, t, w, p) for d, t, w, p in SKEWED if d in PERSISTENT_FORWARD_HEAD_DIMS]
 
 
 def _schedule_calls(monkeypatch, persistent: bool):
-    """From here on the D64 / D128 wgmma prefill calls with the TMA producer run VarlenSpec(...,
-    persistent=persistent)."""
+    """From here on the wgmma prefill calls with the TMA producer at PERSISTENT_FORWARD_HEAD_DIMS
+    run VarlenSpec(..., persistent=persistent)."""
     import dataclasses
 
     import jitattn.varlen.forward as forward_module
@@ -92,7 +93,7 @@ def _schedule_calls(monkeypatch, persistent: bool):
 
     def scheduled_spec(*args, **kwargs):
         spec = made(*args, **kwargs)
-        if spec.wgmma and spec.tma and not spec.decode and spec.head_dim in (64, 128):
+        if spec.wgmma and spec.tma and not spec.decode and spec.head_dim in PERSISTENT_FORWARD_HEAD_DIMS:
             return dataclasses.replace(spec, persistent=persistent)
         return spec
 
