@@ -254,8 +254,11 @@ class VarlenSpec(KernelSpec):
         off (the old kernel) and no call turns them on: on the H200 (bf16 8 x 4k, full / causal
         TFLOP/s, same run, tools/fwd_schedule.py) D128 603 / 495 without, 595 / 495 pingpong,
         592 / 496 overlap, 525 / 478 both; D256 573 / 516, 570 / 515, 567 / 505, 508 / 479 (see
-        notes/forward-h200.md). A shape that gains from one would take it where the call's spec
-        is made (jitattn/varlen/forward.py), as `wgmma` is."""
+        notes/forward-h200.md). Caveat on `overlap`: ptxas (CUDA 13.0) pulls the O += P V wait up
+        above the softmax in every such build, so it runs the deferred order without the overlap;
+        the ways found to keep the wait in place serialize every wgmma (SASS, notes/forward-h200.md,
+        2026-12-05). A shape that gains from one would take it where the call's spec is made
+        (jitattn/varlen/forward.py), as `wgmma` is."""
         return self.wgmma and (self.head_dim >= 128 or self.tma)
 
     @property
