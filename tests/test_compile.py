@@ -384,6 +384,30 @@ def test_unwritable_cache_root_raises_cache_not_writable(cache_root, monkeypatch
         cache_root.chmod(0o700)
 
 
+def test_a_write_probe_cut_off_before_its_unlink_is_staging_litter(tmp_path, monkeypatch):
+    """A process killed between the writability probe's write and its unlink (CI saw one) leaves
+    its probe under staging/, where `cache prune` removes it; the root holds no stray file."""
+    root = tmp_path / "cache"
+    real_unlink = Path.unlink
+
+    def killed_at_probe(self, *args, **kwargs):
+        if ".write-probe" in self.name:
+            raise SystemExit("killed")
+        return real_unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", killed_at_probe)
+    with pytest.raises(SystemExit):
+        loader._ensure_writable(root)
+    monkeypatch.setattr(Path, "unlink", real_unlink)
+    assert [p.name for p in root.iterdir()] == [cache.STAGING]
+    litter = list((root / cache.STAGING).iterdir())
+    assert len(litter) == 1 and litter[0].name.startswith(".write-probe")
+    assert cache.prune_staging(root, older_than_s=0) == litter
+    assert list((root / cache.STAGING).iterdir()) == []
+    loader._ensure_writable(root)  # a probe that finishes leaves nothing behind
+    assert list((root / cache.STAGING).iterdir()) == []
+
+
 def test_cache_root_below_a_file_raises_cache_not_writable(tmp_path, monkeypatch):
     """Works as root too: no permission bit stops mkdir under a regular file."""
     blocker = tmp_path / "not-a-dir"

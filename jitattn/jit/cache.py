@@ -120,7 +120,9 @@ def _stamp(stamps: Path, so: Path, before: os.stat_result, sha256: str) -> None:
             return
         stamps.mkdir(parents=True, exist_ok=True)
         target = _stamp_file(stamps, so)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        scratch = stamps.parent / STAGING  # a kill mid-write leaves prunable litter, as builds do
+        scratch.mkdir(exist_ok=True)
+        tmp = scratch / f".{target.name}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps({"path": os.path.abspath(so), "sha256": sha256, "identity": _identity(before)}))
         os.replace(tmp, target)
     except OSError:

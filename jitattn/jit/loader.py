@@ -277,8 +277,11 @@ def cache_error(path: Path) -> RuntimeError:
 
 def _ensure_writable(root: Path) -> None:
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe = root / f".write-probe-{os.getpid()}"
+        # The probe sits under staging/, so one left by a process killed between its write and
+        # its unlink is litter that `cache prune` removes, never a stray file in the root.
+        staging = root / cache.STAGING
+        staging.mkdir(parents=True, exist_ok=True)
+        probe = staging / f".write-probe.{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from jitattn.errors import ToolchainError
-from jitattn.jit import env
+from jitattn.jit import cache, env
 
 
 class Toolchain(NamedTuple):  # (a NamedTuple: a frozen dataclass cost the first call ~1 ms to create)
@@ -83,7 +83,7 @@ def _fingerprint(cuda_home: Path, cxx: Path, memo_dir: Path | None) -> Toolchain
         versions = {"nvcc": _probe_nvcc(nvcc), "cxx": _probe_cxx(cxx)}
         if memo_file:
             memo[stamp] = versions
-            _write_json_atomic(memo_file, memo)
+            _write_json_atomic(memo_file, memo, scratch=memo_dir / cache.STAGING)
     return Toolchain(cuda_home, nvcc, cxx, versions["nvcc"], versions["cxx"])
 
 
@@ -125,10 +125,12 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def _write_json_atomic(path: Path, data: dict) -> None:
+def _write_json_atomic(path: Path, data: dict, scratch: Path) -> None:
+    """Write through a temporary file in `scratch` (the cache's staging/, same filesystem), so a
+    process killed mid-write leaves litter that `cache prune` removes, not a stray root file."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        scratch.mkdir(parents=True, exist_ok=True)
+        tmp = scratch / f".{path.name}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
         os.replace(tmp, path)
     except OSError:
