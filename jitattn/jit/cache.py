@@ -119,12 +119,8 @@ def _stamp(stamps: Path, so: Path, before: os.stat_result, sha256: str) -> None:
         if _identity(so.stat()) != _identity(before):
             return
         stamps.mkdir(parents=True, exist_ok=True)
-        target = _stamp_file(stamps, so)
-        scratch = stamps.parent / STAGING  # a kill mid-write leaves prunable litter, as builds do
-        scratch.mkdir(exist_ok=True)
-        tmp = scratch / f".{target.name}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({"path": os.path.abspath(so), "sha256": sha256, "identity": _identity(before)}))
-        os.replace(tmp, target)
+        write_text_atomic(_stamp_file(stamps, so), stamps.parent,
+                          json.dumps({"path": os.path.abspath(so), "sha256": sha256, "identity": _identity(before)}))
     except OSError:
         pass
 
@@ -171,6 +167,17 @@ def siblings(root: Path, schema: str, arch_tag: str, name: str) -> list[Path]:
         return sorted(p for p in arch_dir.iterdir() if p.name.rsplit("-", 1)[0] == name)
     except OSError:
         return []
+
+
+def write_text_atomic(path: Path, root: Path, text: str) -> None:
+    """Replace `path` (a file under cache root `root`) by `text` in one rename, from a temporary
+    file under <root>/staging/: a process killed mid-write leaves litter `cache prune` removes,
+    never a stray file beside the entries. Raises OSError."""
+    scratch = root / STAGING
+    scratch.mkdir(parents=True, exist_ok=True)
+    tmp = scratch / f".{path.name}.{os.getpid()}.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def new_staging_dir(root: Path) -> Path:

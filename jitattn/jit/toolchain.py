@@ -83,7 +83,7 @@ def _fingerprint(cuda_home: Path, cxx: Path, memo_dir: Path | None) -> Toolchain
         versions = {"nvcc": _probe_nvcc(nvcc), "cxx": _probe_cxx(cxx)}
         if memo_file:
             memo[stamp] = versions
-            _write_json_atomic(memo_file, memo, scratch=memo_dir / cache.STAGING)
+            _write_memo(memo_file, memo_dir, memo)
     return Toolchain(cuda_home, nvcc, cxx, versions["nvcc"], versions["cxx"])
 
 
@@ -125,14 +125,9 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def _write_json_atomic(path: Path, data: dict, scratch: Path) -> None:
-    """Write through a temporary file in `scratch` (the cache's staging/, same filesystem), so a
-    process killed mid-write leaves litter that `cache prune` removes, not a stray root file."""
+def _write_memo(path: Path, root: Path, data: dict) -> None:
     try:
-        scratch.mkdir(parents=True, exist_ok=True)
-        tmp = scratch / f".{path.name}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        cache.write_text_atomic(path, root, json.dumps(data, indent=1, sort_keys=True))
     except OSError:
         pass  # a memo only: a read-only cache root just probes again next process
 
