@@ -150,12 +150,16 @@ def grad_lse_for(b: Batch, seed: int) -> torch.Tensor:
 
 
 def poison_for_backward(b: Batch) -> None:
-    """NaN-fill freed blocks the size of dq and of the fp32 workspace (dQ accumulator + 2)."""
+    """NaN-fill freed blocks the size of dq and of the fp32 workspace (dQ accumulator + 2, and
+    the most the binding adds: the deterministic counters and the work counter), so a workspace
+    row no kernel writes reads NaN."""
     if CPU:
         return
     t_q, h_q, d = b.query.shape
+    h_kv, n = b.key.shape[1], b.cu_seq_q.numel() - 1
+    counters = h_kv * (t_q * (h_q // h_kv) // 64 + n + 1)
     poison_allocator(max(1, t_q * h_q * d * b.query.element_size()), count=4)
-    poison_allocator(max(1, t_q * h_q * (d + 2) * 4), count=4)
+    poison_allocator(max(1, t_q * h_q * (d + 2) * 4 + (counters + 1) * 4), count=4)
 
 
 def run_backward(b: Batch, window, grad_out, *, scale=None, grad_lse=None, num_splits=None, softcap=None):
