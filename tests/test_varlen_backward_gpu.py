@@ -157,7 +157,7 @@ def poison_for_backward(b: Batch) -> None:
         return
     t_q, h_q, d = b.query.shape
     h_kv, n = b.key.shape[1], b.cu_seq_q.numel() - 1
-    counters = h_kv * (t_q * (h_q // h_kv) // 64 + n + 1)
+    counters = h_kv * (t_q * (h_q // h_kv) // 64 + n + 1)  # the binding's sem_stride at block_m 64 (the most)
     poison_allocator(max(1, t_q * h_q * d * b.query.element_size()), count=4)
     poison_allocator(max(1, t_q * h_q * (d + 2) * 4 + (counters + 1) * 4), count=4)
 
