@@ -145,3 +145,33 @@ def test_the_committed_plots_match_the_committed_numbers():
     for area in {r["area"] for r in records}:
         assert (REPO / "docs" / "img" / f"{area}.png").is_file(), area
     assert {r["impl"] for r in records} >= {"jitattn", "sdpa"}
+
+
+def test_collect_times_every_impl_in_turn_and_drops_one_that_fails():
+    from bench_util import interleaved_us
+
+    rng = random.Random()
+    cases = plan(["forward", "decode"], quick=True)[:2] + plan(["decode"], quick=True)[:1]
+    calls, times = [], {}
+
+    def timers_for(case):
+        def timer(impl, fail_on=None):
+            def run():
+                calls.append((case, impl))
+                if fail_on is not None and sum(c == (case, impl) for c in calls) == fail_on:
+                    raise RuntimeError("out of memory")
+                us = rng.uniform(100, 1000)
+                times.setdefault((case, impl), []).append(us)
+                return us
+            return run
+        return {"jitattn": timer("jitattn"), "sdpa": timer("sdpa"), "flaky": timer("flaky", fail_on=2)}
+
+    records = bench_sweep.collect(cases, timers_for, 3, "GPU", "2.14.1", "2026-12-06", interleaved_us)
+    assert validate_records(records) == records
+    assert {r["impl"] for r in records} == {"jitattn", "sdpa"}  # "flaky" failed in round 2 of each case
+    assert len(records) == 2 * len(cases)
+    first = [impl for case, impl in calls if case == cases[0]]
+    assert first == ["jitattn", "sdpa", "flaky"] * 2 + ["jitattn", "sdpa"]  # in turn; no retry after a failure
+    for record, case in zip(records[::2], cases):
+        median = sorted(times[(case, "jitattn")])[1]
+        assert record["value"] == pytest.approx(throughput(case, median), abs=0.01)

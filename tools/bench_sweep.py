@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
+import math
 import statistics
 import sys
 from dataclasses import dataclass
@@ -183,9 +185,14 @@ def _varlen_forwards(case: Case, torch):
     impls = {"jitattn": (lambda s: jitattn.varlen_attn(*s[0], cu, cu, n, n, window_size=window), False)}
     try:
         from torch.nn.attention.varlen import varlen_attn as torch_varlen
-        impls["torch-varlen"] = (lambda s: torch_varlen(*s[0], cu, cu, n, n, window_size=window), False)
     except ImportError:
+        torch_varlen = None
         print("  (torch-varlen skipped: this torch has no torch.nn.attention.varlen)", flush=True)
+    if torch_varlen is not None:
+        # torch 2.10 asks for causal with is_causal, later releases with window_size.
+        params = inspect.signature(torch_varlen).parameters
+        mask = {"window_size": window} if "window_size" in params else {"is_causal": case.causal}
+        impls["torch-varlen"] = (lambda s: torch_varlen(*s[0], cu, cu, n, n, **mask), False)
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
@@ -262,27 +269,56 @@ def _decode_timers(case: Case, args, torch, bench_util):
     return timers
 
 
+def collect(cases, timers_for, rounds: int, gpu: str, torch_version: str, date: str, interleaved) -> list:
+    """Records of every case: `timers_for(case)` gives impl -> a function that times one call (us),
+    `interleaved(timers, rounds)` runs them in turn (bench_util.interleaved_us). An impl whose
+    timer fails mid-run is dropped from that case with a note; the others are kept."""
+    records = []
+    for case in cases:
+        timers, failed = {}, set()
+        for impl, timer in timers_for(case).items():
+            def guarded(impl=impl, timer=timer):
+                if impl in failed:
+                    return math.nan
+                try:
+                    return timer()
+                except Exception as exc:  # noqa: BLE001 - a peer's failure skips it, never the sweep
+                    failed.add(impl)
+                    print(f"  ({impl} failed on {case.describe()}: {type(exc).__name__}: "
+                          f"{(str(exc).splitlines() or [''])[0][:120]})", flush=True)
+                    return math.nan
+            timers[impl] = guarded
+        got = []
+        for impl, us in interleaved(timers, rounds).items():
+            if impl in failed:
+                continue
+            median = statistics.median(us)
+            if median > 0:
+                got.append(make_record(case, impl, throughput(case, median), gpu, torch_version, date))
+        print(f"{case.describe()}: " + ", ".join(f"{r['impl']} {r['value']:.1f}" for r in got)
+              + f" {UNITS[case.area]}", flush=True)
+        records += got
+        del timers  # the case's input sets go before the next case allocates its own
+    return records
+
+
 def run(cases, args) -> list:
     import torch
 
     import bench_util
-    gpu = torch.cuda.get_device_name()
-    version = torch.__version__.split("+")[0]
-    date = datetime.date.today().isoformat()
-    records = []
-    for case in cases:
+
+    def timers_for(case):
         make = _decode_timers if case.area == "decode" else _varlen_timers
-        timers = make(case, args, torch, bench_util)
-        times = bench_util.interleaved_us(timers, args.rounds)
-        for impl, us in times.items():
-            median = statistics.median(us)
-            if median > 0:
-                records.append(make_record(case, impl, throughput(case, median), gpu, version, date))
-        shown = ", ".join(f"{r['impl']} {r['value']:.1f}" for r in records if r["seqlen"] == case.seqlen
-                          and r["area"] == case.area and r["head_dim"] == case.head_dim and r["causal"] == case.causal)
-        print(f"{case.describe()}: {shown} {UNITS[case.area]}", flush=True)
-        torch.cuda.empty_cache()
-    return records
+        return make(case, args, torch, bench_util)
+
+    def interleaved(timers, rounds):
+        try:
+            return bench_util.interleaved_us(timers, rounds)
+        finally:
+            torch.cuda.empty_cache()
+
+    return collect(cases, timers_for, args.rounds, torch.cuda.get_device_name(), torch.__version__.split("+")[0],
+                   datetime.date.today().isoformat(), interleaved)
 
 
 def main(argv=None):
