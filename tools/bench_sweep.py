@@ -158,6 +158,10 @@ def text_table(records) -> str:
 
 
 # ---------------------------------------------------------------- GPU part
+def first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [""])[0][:120]
+
+
 def _inputs(case: Case, torch, sets_needed):
     """Input sets for a varlen case: (q, k, v, grad_out, the same as (B, H, S, D) for SDPA)."""
     tokens = case.batch * case.seqlen
@@ -227,7 +231,7 @@ def _varlen_timers(case: Case, args, torch, bench_util):
             call(sets[0])
             torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - any failure of a peer only skips it
-            print(f"  ({impl} skipped on {case.describe()}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]})",
+            print(f"  ({impl} skipped on {case.describe()}: {type(exc).__name__}: {first_line(exc)})",
                   flush=True)
             continue
         fns = [lambda s=s, call=call: call(s) for s in sets]
@@ -262,7 +266,7 @@ def _decode_timers(case: Case, args, torch, bench_util):
             fns[0]()
             torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001
-            print(f"  ({impl} skipped on {case.describe()}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]})",
+            print(f"  ({impl} skipped on {case.describe()}: {type(exc).__name__}: {first_line(exc)})",
                   flush=True)
             continue
         timers[impl] = lambda fns=fns: bench_util.time_us(fns, warmup=args.warmup, reps=args.reps)
@@ -285,7 +289,7 @@ def collect(cases, timers_for, rounds: int, gpu: str, torch_version: str, date: 
                 except Exception as exc:  # noqa: BLE001 - a peer's failure skips it, never the sweep
                     failed.add(impl)
                     print(f"  ({impl} failed on {case.describe()}: {type(exc).__name__}: "
-                          f"{(str(exc).splitlines() or [''])[0][:120]})", flush=True)
+                          f"{first_line(exc)})", flush=True)
                     return math.nan
             timers[impl] = guarded
         got = []
