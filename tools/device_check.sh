@@ -49,6 +49,8 @@ fi
 #   host: host time per tiny decode call beside SDPA, and the first call in a new process
 #   backward: the varlen backward rows (the shapes, peers, deterministic, skewed)
 #   transformers: tokens/s of a generation and a training step beside sdpa
+#   sweep: tools/bench_sweep.py --quick (forward / backward TFLOP/s against sequence length, decode TB/s
+#     against kv length, beside the peers) -> $OUT/sweep.json, which tools/plot_benchmarks.py draws
 #   persistent: the forward's other schedule at D64 / D128 / D256 (a CTA per row block where calls
 #     take the persistent kernel, VarlenSpec.takes_persistent, and the persistent one at D256) checked
 #     against float64 and timed beside the default and SDPA, under a timeout (a deadlock must not hang the job)
@@ -73,4 +75,5 @@ wants persistent && timeout 400 python3 tools/fwd_schedule.py --quick --head-dim
   --shapes 8x4096 32x1024 --schedules default d64:tma d128:tma d256:tma,split_kv,persistent 2>&1 \
   | tee "$OUT/fwd_persistent.log"
 wants transformers && python3 tools/bench_transformers.py --layers 2 --new 32 2>&1 | tee "$OUT/bench_transformers.log"
+wants sweep && python3 tools/bench_sweep.py --quick --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log"
 exit $status
