@@ -186,7 +186,7 @@ def test_prewarm_builds_every_spec_of_a_manifest_and_of_the_flags(tmp_path, caps
     path.write_text(MANIFEST)
     asked = []
 
-    def fake_prewarm(specs, jobs, force=False, on_done=None):
+    def fake_prewarm(specs, jobs, force=False, on_done=None, on_start=None):
         asked.extend(specs)
         outcomes = [Outcome(s, "cached", 0.0) for s in specs]
         for o in outcomes:
@@ -532,6 +532,9 @@ def test_a_registered_family_gets_the_flags_without_the_cli_naming_it(capsys, no
     @dataclass(frozen=True)
     class OtherSpec(KernelSpec):
         family: ClassVar[str] = "other"
+        # Every family declares what its int and str fields accept (KernelSpec.validate_fields).
+        choices: ClassVar[dict] = {"dtype": ("float16", "bfloat16")}
+        ranges: ClassVar[dict] = {"head_dim": (32, 256)}
         head_dim: int
         dtype: str = "float16"
         deterministic: bool = False
