@@ -69,7 +69,7 @@ def test_spec_from_dict_yields_a_valid_spec_or_a_clear_error(data):
 def test_prewarm_dry_run_spec_yields_specs_or_exits_2_with_a_message(data):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main(["prewarm", "--dry-run", "--arch", "9.0", "--spec", json.dumps(data)])
+        code = cli.main(["prewarm", "--dry-run", "--arch", "9.0", f"--spec={json.dumps(data)}"])
     if code == 2:
         assert err.getvalue().startswith("jitattn: error: ") and "Traceback" not in err.getvalue()
     else:
