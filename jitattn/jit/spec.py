@@ -60,6 +60,26 @@ def check_field(family: str, name: str, value, kind: type, accepted=None, rule: 
     return value
 
 
+_plans: dict[type, tuple] = {}
+
+
+def _field_plan(cls: type) -> tuple:
+    """(name, type, accepted, rule) of each field of spec class `cls`, worked out once."""
+    plan = _plans.get(cls)
+    if plan is None:
+        rows = []
+        for f in dataclasses.fields(cls):
+            kind = _FIELD_TYPES.get(f.type if isinstance(f.type, str) else getattr(f.type, "__name__", ""))
+            if kind is None:
+                raise TypeError(f"{cls.__name__}.{f.name}: spec fields are int, bool or str, not {f.type}")
+            accepted = cls.ranges.get(f.name) if kind is int else cls.choices.get(f.name) if kind is str else ()
+            if accepted is None:
+                raise TypeError(f"{cls.family} spec field {f.name} declares no accepted values (ranges / choices)")
+            rows.append((f.name, kind, accepted, cls.rules.get(f.name)))
+        plan = _plans[cls] = tuple(rows)
+    return plan
+
+
 def check_fields(data, family: str) -> dict:
     """`data` as spec fields: a dict of str keys, or a TypeError naming what it is instead."""
     if not isinstance(data, dict):
@@ -94,13 +114,12 @@ class KernelSpec:
         family's `choices` / `ranges`: a TypeError or ValueError naming the field and what it
         accepts. Families call this first in their own `__post_init__`: a spec's fields end up
         rendered into C++ and its name into paths, so nothing unchecked may get that far."""
-        for f in dataclasses.fields(self):
-            kind = _FIELD_TYPES.get(f.type if isinstance(f.type, str) else getattr(f.type, "__name__", ""))
-            if kind is None:
-                raise TypeError(f"{type(self).__name__}.{f.name}: spec fields are int, bool or str, not {f.type}")
-            accepted = self.ranges.get(f.name) if kind is int else self.choices.get(f.name)
-            value = check_field(self.family, f.name, getattr(self, f.name), kind, accepted, self.rules.get(f.name))
-            object.__setattr__(self, f.name, value)  # an int subclass is stored as the plain int
+        for name, kind, accepted, rule in _field_plan(type(self)):
+            value = getattr(self, name)
+            if type(value) is kind and (kind is bool or (accepted[0] <= value <= accepted[1] if kind is int
+                                                         else value in accepted)):
+                continue  # the common case, checked inline: specs are made on every cold call
+            object.__setattr__(self, name, check_field(self.family, name, value, kind, accepted, rule))
 
     def check_name(self) -> str:
         """The spec's name, refused unless it is a safe path component (SAFE_NAME)."""
