@@ -538,7 +538,10 @@ def cmd_doctor(args) -> int:
             continue
         print(f"{kind:12s} {layer} ({env.cache_dir_source() if writable else 'JITATTN_CACHE_SEED_DIRS'}): "
               f"{count} entries, {size / 2**20:.1f} MiB, {access}{'' if layer.exists() else ', absent'}")
-    _print_remote_tier()
+    try:
+        _print_remote_tier()
+    except ValueError as exc:  # a fleet knob it cannot use: say so, and show the rest
+        print(f"remote cache UNUSABLE: {exc}")
     print("\nenvironment knobs:")
     for name, (default, meaning) in env.KNOBS.items():
         value = env.shown(name)  # secrets and URL passwords masked

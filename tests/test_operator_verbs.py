@@ -348,3 +348,21 @@ def test_a_prewarm_prints_a_line_as_each_build_starts_and_while_it_runs(root, ca
 
 
 RealProgress = prewarm.ConsoleProgress
+
+
+def test_doctor_names_a_bad_fleet_knob_and_still_prints_the_rest(root, capsys, monkeypatch):
+    monkeypatch.setenv("JITATTN_REMOTE_CACHE", "redis://127.0.0.1:1/0")
+    monkeypatch.setenv("JITATTN_REMOTE_CACHE_TTL", "inf")
+    monkeypatch.setenv("JITATTN_CUDA_ARCH_LIST", "9.0")
+    code, out, _ = run_cli(capsys, "doctor")
+    assert code == 0 and "remote cache UNUSABLE: JITATTN_REMOTE_CACHE_TTL must be a finite number" in out
+    assert "environment knobs:" in out
+
+
+def test_a_missing_seed_dir_is_logged_once(monkeypatch, tmp_path, caplog):
+    missing = tmp_path / f"seed-{os.urandom(4).hex()}"
+    monkeypatch.setenv("JITATTN_CACHE_SEED_DIRS", str(missing))
+    with caplog.at_level("WARNING", logger="jitattn"):
+        assert env.seed_dirs() == [missing] and env.seed_dirs() == [missing]
+    assert [r.getMessage() for r in caplog.records].count(
+        f"JITATTN_CACHE_SEED_DIRS names {missing}, which is not a directory: nothing is read from it") == 1

@@ -169,9 +169,22 @@ def _fallback_cache_dir() -> Path:
     return path
 
 
+_missing_seeds_warned: set[str] = set()
+
+
 def seed_dirs() -> list[Path]:
+    """The read-only seed roots, in order. One that is not a directory is kept (it may appear
+    later) but logged once per process: a typo must not leave a fleet building silently."""
     raw = os.environ.get("JITATTN_CACHE_SEED_DIRS", "")
-    return [Path(p).expanduser() for p in raw.split(os.pathsep) if p.strip()]
+    paths = [Path(p).expanduser() for p in raw.split(os.pathsep) if p.strip()]
+    for path in paths:
+        if str(path) not in _missing_seeds_warned and not path.is_dir():
+            import logging
+
+            _missing_seeds_warned.add(str(path))
+            logging.getLogger("jitattn").warning(
+                "JITATTN_CACHE_SEED_DIRS names %s, which is not a directory: nothing is read from it", path)
+    return paths
 
 
 def arch_list_setting() -> tuple[str, str] | None:
