@@ -366,3 +366,16 @@ def test_a_missing_seed_dir_is_logged_once(monkeypatch, tmp_path, caplog):
         assert env.seed_dirs() == [missing] and env.seed_dirs() == [missing]
     assert [r.getMessage() for r in caplog.records].count(
         f"JITATTN_CACHE_SEED_DIRS names {missing}, which is not a directory: nothing is read from it") == 1
+
+
+def test_prune_keeps_the_scratch_files_of_a_live_process_and_removes_a_dead_one_s(root):
+    scratch = root / cache.STAGING
+    scratch.mkdir(parents=True)
+    mine = [scratch / f".write-probe.{os.getpid()}", scratch / f".toolchains.json.{os.getpid()}.tmp"]
+    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    dead = scratch / f".toolchains.json.{dead_pid}.tmp"
+    for path in mine + [dead]:
+        path.write_text("")
+    assert cache.prune_staging(root, 0) == [dead]
+    assert all(path.exists() for path in mine)

@@ -280,7 +280,7 @@ def _staging_alive(item: Path) -> bool:
     parts = item.name.rsplit("-", 2)
     if len(parts) == 3 and parts[1].isdigit() and parts[0] == _host_tag() and _pid_alive(int(parts[1])):
         return True
-    tmp = re.fullmatch(r"\..*\.(\d+)\.tmp", item.name)  # write_text_atomic's scratch file
+    tmp = re.fullmatch(r"\..*\.(\d+)(?:\.tmp)?", item.name)  # write_text_atomic's scratch, the write probe
     if tmp:
         return _pid_alive(int(tmp.group(1)))
     if not item.is_dir() or item.is_symlink():
