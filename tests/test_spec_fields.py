@@ -13,7 +13,7 @@ import pytest
 from jitattn import cli
 from jitattn.decode.spec import DecodeSpec
 from jitattn.jit import cache, keys, manifest, registry
-from jitattn.jit.spec import SAFE_NAME, KernelSpec
+from jitattn.jit.spec import SAFE_NAME
 from jitattn.varlen.spec import VarlenBackwardSpec, VarlenSpec
 
 FAMILIES = ["decode", "varlen", "varlen_backward"]
@@ -221,13 +221,6 @@ def test_cache_writes_stay_under_the_root(tmp_path):
     assert not (tmp_path / "elsewhere.json").exists()
     inside = tmp_path / "root" / "v1" / "x"
     assert cache.check_within(tmp_path / "root", inside) == inside
-
-
-def test_a_spec_subclass_with_a_bad_name_is_refused_at_its_entry_path(tmp_path):
-    spec = DecodeSpec(64)
-    with pytest.raises(ValueError, match="not made of"):
-        type("Evil", (), {"family": "decode", "name": "../../x", "check_name": KernelSpec.check_name})().check_name()
-    assert spec.check_name() == spec.name
 
 
 def test_fresh_random_specs_round_trip_through_their_dict():

@@ -13,10 +13,12 @@ import reprlib
 from dataclasses import dataclass
 from typing import ClassVar
 
+# SAFE_NAME: what a spec name (so an entry directory, a log name, an op namespace) may be made
+# of; cache.entry_path refuses any other name where it becomes a path.
+from jitattn.jit.cache import SAFE_NAME
+
 # Short dtype names used in spec names and templates.
 DTYPE_TAGS = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
-# What a spec name (and so an entry directory, a log name, an op namespace) may be made of.
-SAFE_NAME = re.compile(r"[a-z0-9_]+")
 # A target arch as the families take it: '9.0', '8.9', '9.0a'.
 ARCH = re.compile(r"(\d{1,3})\.(\d{1,3})(a?)")
 # The Python type each field annotation stands for (fields are data: ints, bools, enum strings).
@@ -120,13 +122,6 @@ class KernelSpec:
                                                          else value in accepted)):
                 continue  # the common case, checked inline: specs are made on every cold call
             object.__setattr__(self, name, check_field(self.family, name, value, kind, accepted, rule))
-
-    def check_name(self) -> str:
-        """The spec's name, refused unless it is a safe path component (SAFE_NAME)."""
-        name = self.name
-        if not SAFE_NAME.fullmatch(name):
-            raise ValueError(f"{self.family} spec name {show(name)} is not made of [a-z0-9_]")
-        return name
 
     @property
     def name(self) -> str:
