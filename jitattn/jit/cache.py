@@ -263,6 +263,9 @@ def discard_staging(staging: Path) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (0, negative or absurd pids: no)."""
+    if not 0 < pid < 2**31:  # os.kill(0 or -n) would signal a process group
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
