@@ -147,7 +147,8 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
                        ("decode", "varlen: the decode tile shape (default both)"),
                        ("wgmma", "varlen: the sm_90 wgmma prefill rung (default: where the archs run it)")):
         g.add_argument(f"--{flag}", choices=list(_SWITCH), help=what)
-    g.add_argument("--dry-run", action="store_true", help="print the specializations and stop")
+    g.add_argument("--dry-run", action="store_true",
+                   help="print the specializations and stop (exit 1 if one cannot build for the target archs)")
 
 
 def _items(flag: str, raw: list[str], kind: str):
