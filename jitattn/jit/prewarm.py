@@ -119,8 +119,8 @@ def _build_all(specs: list[KernelSpec], jobs: int, force: bool, on_done, on_star
 class ConsoleProgress:
     """What a prewarm prints as it goes: a line as each build starts, a line about every `every`
     seconds for each build still running, and as each spec settles a bar with the totals so far
-    and an ETA (mean build time so far, over the builds left, `jobs` at a time). A 25-30 s build
-    must not look like a hang."""
+    and an ETA (mean build time so far, over the builds left, `jobs` at a time): a long build
+    must not look like a hang (issue 45)."""
 
     def __init__(self, total: int, jobs: int, out=None, every: float = 10.0, clock=time.monotonic):
         self.total, self.jobs, self.every, self.clock = total, max(1, jobs), every, clock
