@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import shutil
 import sys
@@ -24,8 +25,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.handler(args)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+    except (ValueError, TypeError, OSError) as exc:
         print(f"jitattn: error: {exc}", file=sys.stderr)
+        return 2
+    except RecursionError:
+        print("jitattn: error: input nested too deeply", file=sys.stderr)
         return 2
     except Exception as exc:
         from jitattn.errors import JitattnError
@@ -55,10 +59,13 @@ def _parser() -> argparse.ArgumentParser:
     for name, handler, text in [
         ("list", cmd_cache_list, "list entries in every layer"),
         ("verify", cmd_cache_verify, "re-hash every entry; exit 1 if any is corrupt"),
-        ("clear", cmd_cache_clear, "delete the writable cache root"),
     ]:
         sp = csub.add_parser(name, help=text)
         sp.set_defaults(handler=handler)
+    clear = csub.add_parser("clear", help="delete what jitattn wrote in the writable cache root")
+    clear.add_argument("--force", action="store_true",
+                       help="also delete files jitattn did not write (refused without it)")
+    clear.set_defaults(handler=cmd_cache_clear)
     show = csub.add_parser("show", help="print one entry's manifest")
     show.add_argument("entry", help="entry directory name (or a unique prefix of it)")
     show.set_defaults(handler=cmd_cache_show)
@@ -140,7 +147,8 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
                        ("decode", "varlen: the decode tile shape (default both)"),
                        ("wgmma", "varlen: the sm_90 wgmma prefill rung (default: where the archs run it)")):
         g.add_argument(f"--{flag}", choices=list(_SWITCH), help=what)
-    g.add_argument("--dry-run", action="store_true", help="print the specializations and stop")
+    g.add_argument("--dry-run", action="store_true",
+                   help="print the specializations and stop (exit 1 if one cannot build for the target archs)")
 
 
 def _items(flag: str, raw: list[str], kind: str):
@@ -182,6 +190,27 @@ def _flag_values(args) -> dict[str, list]:
     return given
 
 
+def _number(flag: str, value, minimum: float = 0.0, above: bool = False):
+    """`value` of a numeric flag if finite and >= `minimum` (> with `above`), else a ValueError."""
+    if value is not None and (not math.isfinite(value) or value < minimum or above and value == minimum):
+        raise ValueError(f"{flag} must be a finite number {'>' if above else '>='} {minimum:g}, got {value}")
+    return value
+
+
+def _specs_of_json(raw: str) -> list[KernelSpec]:
+    """The specs of one `--spec` JSON object (lists expand as in manifests)."""
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"--spec is not valid JSON ({exc}): {raw:.200}") from None
+    except RecursionError:
+        raise ValueError(f"--spec JSON is nested too deeply: {raw:.80}") from None
+    try:
+        return [spec_from_dict(d) for d in expand(data)]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--spec {raw:.200}: {exc}") from None
+
+
 def _specs_from_args(args) -> list[KernelSpec]:
     from jitattn.jit.registry import family
 
@@ -189,11 +218,7 @@ def _specs_from_args(args) -> list[KernelSpec]:
     for path in getattr(args, "manifests", []):
         specs += read_manifest(path)
     for raw in args.spec:
-        try:
-            data = json.loads(raw)
-        except ValueError as exc:
-            raise ValueError(f"--spec is not valid JSON ({exc}): {raw}") from None
-        specs += [spec_from_dict(d) for d in expand(data)]
+        specs += _specs_of_json(raw)
     given = _flag_values(args)
     names = _items("family", args.family, "name") if args.family else []
     if not given and not names:
@@ -231,8 +256,10 @@ def _archs_or_none() -> tuple[str, ...]:
         return ()
 
 
-def _print_specs(command: str, specs: list[KernelSpec]) -> None:
+def _print_specs(command: str, specs: list[KernelSpec]) -> int:
+    """Print the specs and the targets each builds for; returns how many cannot build there."""
     archs = _archs_or_none()
+    refused = 0
     print(f"{command} --dry-run: {len(specs)} specializations for {','.join(archs) or '(no target arch set)'}")
     for spec in specs:
         targets = ""
@@ -241,7 +268,9 @@ def _print_specs(command: str, specs: list[KernelSpec]) -> None:
                 targets = f"  [{','.join(spec.archs_for(archs))}]"
             except ValueError as exc:
                 targets = f"  [cannot build: {exc}]"
+                refused += 1
         print(f"  {spec.name}{targets}\n    {json.dumps(spec.to_dict())}")
+    return refused
 
 
 def _apply_arch(arch: str | None) -> None:
@@ -253,28 +282,23 @@ def _apply_arch(arch: str | None) -> None:
 def cmd_prewarm(args) -> int:
     from jitattn.jit.prewarm import default_jobs, prewarm
 
+    from jitattn.jit.prewarm import ConsoleProgress
+
+    if args.jobs is not None and args.jobs < 1:
+        raise ValueError(f"-j/--jobs takes a positive number of parallel builds, got {args.jobs}")
     _apply_arch(args.arch)
     specs = _specs_from_args(args)
     if not specs:
         raise ValueError("nothing to prewarm: give manifests, --spec or --head-dim")
     if args.dry_run:
-        _print_specs("prewarm", specs)
-        return 0
+        return 1 if _print_specs("prewarm", specs) else 0
     archs, source = toolchain.target_archs()
     jobs = args.jobs or default_jobs()
     root = env.cache_dir()
     print(f"prewarm: {len(specs)} specializations for {','.join(archs)} ({source}) into {root}, {jobs} jobs")
     start = time.perf_counter()
-    done = [0]
-
-    def progress(outcome):
-        done[0] += 1
-        width = 30
-        filled = width * done[0] // len(specs)
-        print(f"[{'#' * filled}{'.' * (width - filled)}] {done[0]}/{len(specs)} "
-              f"{outcome.status:7s} {outcome.seconds:6.1f}s {outcome.spec.name}", flush=True)
-
-    outcomes = prewarm(specs, jobs, force=args.force, on_done=progress)
+    with ConsoleProgress(len(specs), jobs) as progress:
+        outcomes = prewarm(specs, jobs, force=args.force, on_done=progress.finished, on_start=progress.started)
     print(f"\n{'spec':56s} {'status':8s} {'seconds':>8s}")
     for o in outcomes:
         print(f"{o.spec.name:56s} {o.status:8s} {o.seconds:8.1f}")
@@ -299,14 +323,21 @@ def cmd_cache_list(args) -> int:
 
 
 def cmd_cache_show(args) -> int:
-    for layer, _ in _layers():
-        for path in cache.entries(layer):
-            if path.name.startswith(args.entry):
-                print(path)
-                print((path / cache.MANIFEST).read_text() if (path / cache.MANIFEST).exists() else "(no manifest)")
-                return 0
-    print(f"no entry named {args.entry}", file=sys.stderr)
-    return 1
+    """The entry named `args.entry`, or the one entry whose name starts with it (the same entry
+    in several layers: the first layer's); several names match: refused, listing them."""
+    found = [path for layer, _ in _layers() for path in cache.entries(layer) if path.name.startswith(args.entry)]
+    exact = [path for path in found if path.name == args.entry]
+    names = sorted({path.name for path in found})
+    if not exact and len(names) > 1:
+        listed = "\n  ".join(names[:20]) + (f"\n  ... and {len(names) - 20} more" if len(names) > 20 else "")
+        raise ValueError(f"{args.entry!r} is the prefix of {len(names)} entries; name one:\n  {listed}")
+    if not found:
+        print(f"no entry named {args.entry}", file=sys.stderr)
+        return 1
+    path = (exact or found)[0]
+    print(path)
+    print((path / cache.MANIFEST).read_text() if (path / cache.MANIFEST).exists() else "(no manifest)")
+    return 0
 
 
 def cmd_cache_verify(args) -> int:
@@ -325,13 +356,15 @@ def cmd_cache_verify(args) -> int:
 
 def cmd_cache_clear(args) -> int:
     root = env.cache_dir()
-    if root.exists():
-        shutil.rmtree(root)
-    print(f"removed {root}")
+    removed = cache.clear(root, force=args.force)
+    print(f"removed {root}" if not root.exists() else f"removed {len(removed)} item(s) from {root}")
     return 0
 
 
 def cmd_cache_prune(args) -> int:
+    _number("--staging-age", args.staging_age)
+    _number("--older-than-days", args.older_than_days)
+    _number("--max-size-mb", args.max_size_mb)
     root = env.cache_dir()
     removed = cache.prune_staging(root, args.staging_age)
     entries = [(p, p.stat().st_atime, _dir_size(p)) for p in cache.entries(root)]
@@ -381,8 +414,7 @@ def cmd_cache_unpack(args) -> int:
     from jitattn.jit import artifact
 
     archs = toolchain.parse_arch_list(args.arch) if args.arch else None
-    if args.max_member_mb <= 0:
-        raise ValueError(f"--max-member-mb must be > 0, got {args.max_member_mb}")
+    _number("--max-member-mb", args.max_member_mb, above=True)
     target = args.into or env.cache_dir()
     report = artifact.unpack(args.archive, target, archs=archs,
                              max_member_bytes=int(args.max_member_mb * 2**20))
@@ -501,9 +533,16 @@ def cmd_doctor(args) -> int:
         size = _dir_size(layer) if layer.exists() else 0
         access = "writable" if writable and _writable(layer) else "read-only"
         kind = "cache root" if writable else "seed dir"
+        if not writable and not layer.is_dir():
+            what = "is not a directory" if layer.exists() else "does not exist"
+            print(f"{kind:12s} {layer} (JITATTN_CACHE_SEED_DIRS): MISSING: {what}; nothing is read from it")
+            continue
         print(f"{kind:12s} {layer} ({env.cache_dir_source() if writable else 'JITATTN_CACHE_SEED_DIRS'}): "
               f"{count} entries, {size / 2**20:.1f} MiB, {access}{'' if layer.exists() else ', absent'}")
-    _print_remote_tier()
+    try:
+        _print_remote_tier()
+    except ValueError as exc:  # a fleet knob it cannot use: say so, and show the rest
+        print(f"remote cache UNUSABLE: {exc}")
     print("\nenvironment knobs:")
     for name, (default, meaning) in env.KNOBS.items():
         value = env.shown(name)  # secrets and URL passwords masked
@@ -519,8 +558,7 @@ def cmd_explain(args) -> int:
     if not specs:
         raise ValueError("explain needs --spec or --head-dim")
     if args.dry_run:
-        _print_specs("explain", specs)
-        return 0
+        return 1 if _print_specs("explain", specs) else 0
     for spec in specs:
         target = loader.current_target(spec)
         parts = keys.components(spec, target)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -235,12 +237,19 @@ def test_publish_replaces_an_entry_holding_another_keys_manifest(tmp_path):
 # ----------------------------------------------------------------------------- killed builds, listing
 
 
+def staging_of_a_dead_build(root: Path) -> Path:
+    """A staging dir made by a build process that has since exited (no manifest, no publish)."""
+    made = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from jitattn.jit import cache; "
+                           "print(cache.new_staging_dir(Path(sys.argv[1])))", str(root)],
+                          capture_output=True, text=True, check=True, cwd=str(Path(__file__).resolve().parent.parent))
+    return Path(made.stdout.strip())
+
+
 def test_killed_build_leaves_no_entry_and_prune_removes_it(tmp_path):
     key = make_key("a")
-    staging = cache.new_staging_dir(tmp_path)
+    staging = staging_of_a_dead_build(tmp_path)
     (staging / cache.LIBRARY).write_bytes(b"\x7fELF half written")
     (staging / "kernels.cu").write_text("// never finished\n")
-    # The process dies here: no manifest, no publish.
     assert staging.parent == tmp_path / cache.STAGING
     assert list(cache.entries(tmp_path)) == []
     assert cache.siblings(tmp_path, SCHEMA, "sm90", NAME) == []

@@ -186,7 +186,7 @@ def test_prewarm_builds_every_spec_of_a_manifest_and_of_the_flags(tmp_path, caps
     path.write_text(MANIFEST)
     asked = []
 
-    def fake_prewarm(specs, jobs, force=False, on_done=None):
+    def fake_prewarm(specs, jobs, force=False, on_done=None, on_start=None):
         asked.extend(specs)
         outcomes = [Outcome(s, "cached", 0.0) for s in specs]
         for o in outcomes:
@@ -226,16 +226,24 @@ def test_missing_manifest_exits_2(tmp_path, capsys):
 
 
 @pytest.mark.compile
-def test_prewarm_of_a_spec_that_fails_to_compile_exits_1(cache_root, capsys):
+def test_prewarm_of_a_spec_that_fails_to_compile_exits_1(cache_root, capsys, tmp_path, monkeypatch):
     require_nvcc()
-    # head_dim 36 passes spec parsing but trips the kernel's static_assert (whole 16-byte vectors).
-    code, out, err = run_cli(capsys, "prewarm", "--spec", '{"family": "decode", "head_dim": 36}', "--arch", "9.0")
+    # Specs the kernels cannot build are refused before nvcc now (tests/test_spec_fields.py): a
+    # static_assert injected into a copy of the templates makes a valid spec fail to compile.
+    from jitattn.jit import render
+
+    broken = tmp_path / "templates"
+    shutil.copytree(REPO / "templates", broken)
+    kernels = broken / "decode" / "kernels.cu.j2"
+    kernels.write_text(kernels.read_text() + '\nstatic_assert(HEAD_DIM == 0, "injected: this build must fail");\n')
+    monkeypatch.setattr(render, "templates_dir", lambda: broken)
+    code, out, err = run_cli(capsys, "prewarm", "--spec", '{"family": "decode", "head_dim": 64}', "--arch", "9.0")
     assert code == 1, err
     assert "built 0, already cached 0, failed 1" in out
-    assert re.search(r"decode_f16_kvf16_d36\S*\s+failed", out)
+    assert re.search(r"decode_f16_kvf16_d64\S*\s+failed", out)
     assert "JitCompileError" in out and "full compiler log" in out
     log = re.search(r"full compiler log: (\S+)", out).group(1)
-    assert Path(log).is_file() and "head_dim must be whole 16-byte vectors" in Path(log).read_text()
+    assert Path(log).is_file() and "injected: this build must fail" in Path(log).read_text()
     assert list(cache.entries(cache_root)) == []
     assert not any((cache_root / cache.STAGING).iterdir())
 
@@ -532,6 +540,9 @@ def test_a_registered_family_gets_the_flags_without_the_cli_naming_it(capsys, no
     @dataclass(frozen=True)
     class OtherSpec(KernelSpec):
         family: ClassVar[str] = "other"
+        # Every family declares what its int and str fields accept (KernelSpec.validate_fields).
+        choices: ClassVar[dict] = {"dtype": ("float16", "bfloat16")}
+        ranges: ClassVar[dict] = {"head_dim": (32, 256)}
         head_dim: int
         dtype: str = "float16"
         deterministic: bool = False

@@ -5,9 +5,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from jitattn.jit.registry import register
-from jitattn.jit.spec import DTYPE_TAGS, KernelSpec
+from jitattn.jit.spec import DTYPE_TAGS, KernelSpec, check_field
 
 TENSOR_CORE_MIN_GROUP = 4  # GQA groups this large run on tensor cores by default (DecodeSpec.for_call)
+POS_ENCODINGS = ("NONE", "ROPE_LLAMA", "ALIBI")
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+MAX_GROUP_SIZE = 1024  # the `group_size` shorthand's bound (a GQA group: num_qo_heads // num_kv_heads)
 
 
 @register
@@ -29,6 +32,25 @@ class DecodeSpec(KernelSpec):
     soft_cap: bool = False
     group_tile: int = 1  # query heads of one GQA group handled per CTA (1..8; up to 16 with tensor cores)
     tensor_cores: bool = False  # mma.sync path: the group's query heads are the MMA's rows
+
+    choices: ClassVar[dict[str, tuple[str, ...]]] = {
+        "dtype_q": ("float16", "bfloat16"), "dtype_kv": tuple(DTYPE_TAGS), "pos_encoding": POS_ENCODINGS}
+    ranges: ClassVar[dict[str, tuple[int, int]]] = {"head_dim": (32, 256), "group_tile": (1, 16)}
+    rules: ClassVar[dict[str, str]] = {"head_dim": "a multiple of 16 in [32, 256]"}
+
+    def __post_init__(self):
+        """The shapes templates/decode/kernels.cu.j2 static_asserts (and the API's checks)."""
+        self.validate_fields()
+        if self.head_dim % 16:
+            raise ValueError(f"decode spec field head_dim must be a multiple of 16 in [32, 256] (whole 16-byte "
+                             f"vectors), got {self.head_dim}")
+        if self.dtype_kv in FP8_DTYPES and self.head_dim % 32:
+            raise ValueError(f"decode spec field head_dim must be a multiple of 32 with fp8 dtype_kv, got {self.head_dim}")
+        if self.tensor_cores and self.head_dim % 32:
+            raise ValueError(f"decode tensor_cores=true needs head_dim a multiple of 32, got {self.head_dim}")
+        if not self.tensor_cores and self.group_tile > 8:
+            raise ValueError(f"decode group_tile must be in [1, 8] without tensor cores (up to 16 with "
+                             f"tensor_cores=true), got {self.group_tile}")
 
     @staticmethod
     def group_tile_for(group_size: int, dtype_kv: str = "float16") -> int:
@@ -78,14 +100,19 @@ class DecodeSpec(KernelSpec):
     def from_fields(cls, data: dict) -> "DecodeSpec":
         """dtype_kv defaults to dtype_q; a `group_size` (manifests may name the GQA group) becomes
         the group tile and tensor-core choice that a call of that group would run."""
-        data = dict(data)
+        data = dict(cls.check_fields(data))
         data.setdefault("dtype_kv", data.get("dtype_q", "float16"))
-        if "group_size" in data:
-            call = cls.for_call(data.get("head_dim", 0), data.get("dtype_q", "float16"), data["dtype_kv"],
-                                data.get("pos_encoding", "NONE"), data.get("soft_cap", False),
-                                int(data.pop("group_size")), bool(data.get("tensor_cores", False)))
-            data["group_tile"], data["tensor_cores"] = call.group_tile, call.tensor_cores
-        return super().from_fields(data)
+        if "group_size" not in data:
+            return super().from_fields(data)
+        group_size = check_field(cls.family, "group_size", data.pop("group_size"), int, (1, MAX_GROUP_SIZE))
+        if "group_tile" in data:
+            raise ValueError("decode spec: give group_size (the GQA group) or group_tile (the heads a CTA "
+                             "takes), not both")
+        ask = check_field(cls.family, "tensor_cores", data.pop("tensor_cores", False), bool)
+        fields = super().from_fields(data)  # every other field checked before for_call computes with them
+        call = cls.for_call(fields.head_dim, fields.dtype_q, fields.dtype_kv, fields.pos_encoding, fields.soft_cap,
+                            group_size, ask)
+        return super().from_fields({**data, "group_tile": call.group_tile, "tensor_cores": call.tensor_cores})
 
     @property
     def name(self) -> str:

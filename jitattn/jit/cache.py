@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -19,7 +20,30 @@ MANIFEST = "manifest.json"
 LIBRARY = "module.so"
 STAGING = "staging"
 LOCKS = "locks"
+LOGS = "logs"  # <root>/logs/: compile logs of failed builds (build._keep_log)
 STAMPS = "verified"  # <writable root>/verified/: which module.so files a full hash verified (see read_entry)
+# What a path component the cache makes from a name may be: spec names and schemas [a-z0-9_],
+# arch tags 'sm80+sm90a', keys hex.
+SAFE_NAME = re.compile(r"[a-z0-9_]+")
+_ARCH_TAG = re.compile(r"[a-z0-9_+]+")
+_KEY = re.compile(r"[0-9a-f]{16,}")
+
+
+def check_name(what: str, name: str, pattern: re.Pattern = SAFE_NAME) -> str:
+    """`name` if it is a safe path component (`pattern`), else a ValueError naming `what`."""
+    if not isinstance(name, str) or not pattern.fullmatch(name):
+        raise ValueError(f"{what} {name!r:.80} is not a safe cache path component ({pattern.pattern})")
+    return name
+
+
+def check_within(root: Path, path: Path) -> Path:
+    """`path` if it lies strictly under `root` once '.' and '..' are resolved (string-wise: no
+    file system calls), else a ValueError: every path the cache writes goes through here."""
+    base = os.path.abspath(root)
+    full = os.path.abspath(path)
+    if full == base or os.path.commonpath([base, full]) != base:
+        raise ValueError(f"refusing to write {path}: it is not under the cache root {root}")
+    return path
 
 
 class CacheEntry:
@@ -53,7 +77,19 @@ class CacheEntry:
 
 
 def entry_path(root: Path, schema: str, arch_tag: str, name: str, key: str) -> Path:
-    return root / schema / arch_tag / f"{name}-{key[:16]}"
+    """<root>/<schema>/<arch tag>/<name>-<key16>; each part checked to be a plain name."""
+    check_name("cache schema", schema)
+    check_name("arch tag", arch_tag, _ARCH_TAG)
+    check_name("spec name", name)
+    check_name("cache key", key, _KEY)
+    return check_within(root, root / schema / arch_tag / f"{name}-{key[:16]}")
+
+
+def log_path(log_dir: Path, spec_name: str, stamp: str) -> Path:
+    """<log dir>/<spec name>-<stamp>.log (log dir: <root>/logs): a failed build's compiler output."""
+    check_name("spec name", spec_name)
+    check_name("log stamp", stamp, re.compile(r"[0-9a-zA-Z_-]+"))
+    return check_within(log_dir, log_dir / f"{spec_name}-{stamp}.log")
 
 
 def file_digest(path: Path) -> str:
@@ -173,6 +209,7 @@ def write_text_atomic(path: Path, root: Path, text: str) -> None:
     """Replace `path` (a file under cache root `root`) by `text` in one rename, from a temporary
     file under <root>/staging/: a process killed mid-write leaves litter `cache prune` removes,
     never a stray file beside the entries. Raises OSError."""
+    check_within(root, path)
     scratch = root / STAGING
     scratch.mkdir(parents=True, exist_ok=True)
     tmp = scratch / f".{path.name}.{os.getpid()}.tmp"
@@ -180,13 +217,90 @@ def write_text_atomic(path: Path, root: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def new_staging_dir(root: Path) -> Path:
-    """A private directory to build in: <root>/staging/<host>-<pid>-<random>."""
-    import socket, uuid  # cold path only: keep them off the warm import
+# Open staging directories of this process, each held with a shared flock while its build runs:
+# `prune_staging` skips a staging dir whose lock it cannot take (see _staging_alive).
+_held_staging: dict[str, int] = {}
 
-    staging = root / STAGING / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+def _host_tag() -> str:
+    import socket
+
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64] or "host"
+
+
+def new_staging_dir(root: Path) -> Path:
+    """A private directory to build in: <root>/staging/<host>-<pid>-<random>, held (a shared
+    flock on the directory) until `publish` or `discard_staging`, so that `cache prune` can tell
+    a live build from litter."""
+    import fcntl, uuid  # cold path only: keep them off the warm import
+
+    for gone in [path for path in _held_staging if not os.path.isdir(path)]:  # removed without discard_staging
+        _release_staging(Path(gone))
+    staging = check_within(root, root / STAGING / f"{_host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     staging.mkdir(parents=True)
+    try:
+        fd = os.open(staging, os.O_RDONLY)
+    except OSError:
+        return staging
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:  # a file system without flock: the host and pid in the name still tell
+        pass
+    _held_staging[str(staging)] = fd
     return staging
+
+
+def _release_staging(staging: Path) -> None:
+    fd = _held_staging.pop(str(staging), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def discard_staging(staging: Path) -> None:
+    """Remove a staging dir that will not be published (a failed build) and release its hold."""
+    _release_staging(staging)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (0, negative or absurd pids: no)."""
+    if not 0 < pid < 2**31:  # os.kill(0 or -n) would signal a process group
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, as another user
+        return True
+    return True
+
+
+def _staging_alive(item: Path) -> bool:
+    """Whether a build may still be using `item`: its name's pid is alive on this host, or
+    another process holds the directory's flock (a builder on another host sharing the root)."""
+    import fcntl
+
+    parts = item.name.rsplit("-", 2)
+    if len(parts) == 3 and parts[1].isdigit() and parts[0] == _host_tag() and _pid_alive(int(parts[1])):
+        return True
+    tmp = re.fullmatch(r"\..*\.(\d+)(?:\.tmp)?", item.name)  # write_text_atomic's scratch, the write probe
+    if tmp:
+        return _pid_alive(int(tmp.group(1)))
+    if not item.is_dir() or item.is_symlink():
+        return False
+    try:
+        fd = os.open(item, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # no flock here: the name was all there was to go by
+        return False
+    finally:
+        os.close(fd)
+    return False
 
 
 def write_manifest(staging: Path, manifest: dict) -> None:
@@ -207,7 +321,7 @@ def publish(staging: Path, final: Path, replace: bool = False) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     if final.exists():
         if read_entry(final) is not None and not replace:
-            shutil.rmtree(staging, ignore_errors=True)
+            discard_staging(staging)
             return final
         # A corrupt, partial or replaced entry: move it out of the way, then delete it. Processes
         # that already loaded its .so keep their mapping; new readers see the new entry.
@@ -217,6 +331,7 @@ def publish(staging: Path, final: Path, replace: bool = False) -> Path:
         os.rename(final, aside)
         shutil.rmtree(aside, ignore_errors=True)
     os.rename(staging, final)
+    _release_staging(staging)
     _fsync_dir(final.parent)
     return final
 
@@ -233,7 +348,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def prune_staging(root: Path, older_than_s: float = 3600.0) -> list[Path]:
-    """Remove staging litter (killed builds, replaced broken entries) older than a bound."""
+    """Remove staging litter (killed builds, replaced broken entries) older than a bound; never
+    the staging dir of a live build (_staging_alive), however old."""
     removed = []
     staging = root / STAGING
     if not staging.is_dir():
@@ -241,9 +357,65 @@ def prune_staging(root: Path, older_than_s: float = 3600.0) -> list[Path]:
     now = time.time()
     for item in staging.iterdir():
         try:
-            if now - item.stat().st_mtime >= older_than_s:
-                shutil.rmtree(item) if item.is_dir() else item.unlink()
-                removed.append(item)
+            if now - item.lstat().st_mtime < older_than_s or _staging_alive(item):
+                continue
+            shutil.rmtree(item) if item.is_dir() and not item.is_symlink() else item.unlink()
+            removed.append(item)
         except OSError:
             continue
+    return removed
+
+
+# What jitattn writes at the top of a cache root besides schema dirs (`clear` removes only these).
+_OWN_DIRS = (STAGING, LOCKS, LOGS, STAMPS)
+_OWN_FILES = ("toolchains.json",)
+_SCHEMA_DIR = re.compile(r"v\d+")
+
+
+def foreign_items(root: Path) -> list[Path]:
+    """What under a cache root jitattn did not write: anything at the top but its own dirs, memo
+    files and schema dirs, and anything in a schema dir but arch dirs of entry dirs."""
+    foreign = []
+    for item in sorted(root.iterdir()):
+        if item.is_symlink():
+            foreign.append(item)
+        elif item.is_dir() and item.name in _OWN_DIRS:
+            continue
+        elif item.is_file() and item.name in _OWN_FILES:
+            continue
+        elif item.is_dir() and _SCHEMA_DIR.fullmatch(item.name):
+            for arch_dir in sorted(item.iterdir()):
+                if arch_dir.is_symlink() or not arch_dir.is_dir() or not _ARCH_TAG.fullmatch(arch_dir.name):
+                    foreign.append(arch_dir)
+                    continue
+                foreign += [e for e in sorted(arch_dir.iterdir()) if e.is_symlink() or not e.is_dir()
+                            or not re.fullmatch(r"[a-z0-9_]+-[0-9a-f]{16}", e.name)]
+        else:
+            foreign.append(item)
+    return foreign
+
+
+def clear(root: Path, force: bool = False) -> list[Path]:
+    """Remove what jitattn wrote under `root` (schema dirs of entries, staging, locks, logs,
+    stamps, memo files) and return it; with `force`, everything under `root`. Refuses (ValueError,
+    nothing removed) a root holding anything else: a cache dir pointed at the wrong place must
+    not cost a user their files. The root itself stays."""
+    if not root.is_dir():
+        return []
+    foreign = foreign_items(root)
+    if foreign and not force:
+        shown = ", ".join(str(p) for p in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ValueError(f"{root} holds files jitattn did not write ({shown}); nothing removed. Point "
+                         f"JITATTN_CACHE_DIR at the cache, or pass --force to delete everything under {root}")
+    removed = []
+    for item in sorted(root.iterdir()):
+        if item.is_dir() and not item.is_symlink():
+            shutil.rmtree(item)
+        else:
+            item.unlink()
+        removed.append(item)
+    try:
+        root.rmdir()  # the root too, now empty: jitattn made it
+    except OSError:
+        pass
     return removed

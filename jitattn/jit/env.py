@@ -1,16 +1,20 @@
 """Every JITATTN_* environment knob, read in this one place.
 
 Knobs are read when asked for (not at import), so tests and long-lived processes see changes;
-each reader is cheap (an os.environ lookup).
+each reader is cheap (an os.environ lookup). A value a knob cannot mean (nan, inf, a negative
+time, a blank secret) is a ValueError naming the knob at its first read, never a hang or a
+failure after a full compile.
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
 # name -> (default, one-line meaning); `jitattn doctor` and the README print this table.
 KNOBS: dict[str, tuple[str, str]] = {
-    "JITATTN_CACHE_DIR": ("platformdirs user cache dir", "writable cache root"),
+    "JITATTN_CACHE_DIR": ("platformdirs user cache dir", "writable cache root (a relative path is made absolute "
+                                                         "against the working directory of its first read, logged)"),
     "JITATTN_CACHE_SEED_DIRS": ("", "read-only cache roots searched first (os.pathsep-separated)"),
     "JITATTN_CUDA_ARCH_LIST": ("TORCH_CUDA_ARCH_LIST, else visible GPUs", "target archs, e.g. '9.0;8.0'"),
     "JITATTN_DISABLE_JIT": ("0", "1 = strict: a cache miss raises MissingSpecializationError"),
@@ -60,12 +64,36 @@ def _flag(name: str) -> bool:
     return value is not None and value.strip().lower() not in _FALSE
 
 
+# Relative JITATTN_CACHE_DIR values -> the absolute path of their first read (a later chdir
+# must not move the cache).
+_absolute_cache_dirs: dict[str, Path] = {}
+
+
 def cache_dir() -> Path:
     explicit = os.environ.get("JITATTN_CACHE_DIR")
     if explicit:
-        return Path(explicit).expanduser()
+        return _explicit_cache_dir(explicit)
     path = _platform_cache_dir()
     return path if path is not None else _fallback_cache_dir()
+
+
+def _explicit_cache_dir(raw: str) -> Path:
+    if not raw.strip():
+        raise ValueError(f"JITATTN_CACHE_DIR is blank ({raw!r}): set a directory, or unset it for the default")
+    if "\0" in raw:
+        raise ValueError("JITATTN_CACHE_DIR holds a NUL byte")
+    path = Path(raw).expanduser()
+    if path.is_absolute():
+        return path
+    absolute = _absolute_cache_dirs.get(raw)
+    if absolute is None:
+        import logging
+
+        absolute = _absolute_cache_dirs[raw] = Path(os.path.abspath(path))
+        logging.getLogger("jitattn").warning(
+            "JITATTN_CACHE_DIR=%r is relative: using %s (against the working directory now); set an "
+            "absolute path to choose where the cache lives", raw, absolute)
+    return absolute
 
 
 def cache_dir_source() -> str:
@@ -141,9 +169,22 @@ def _fallback_cache_dir() -> Path:
     return path
 
 
+_missing_seeds_warned: set[str] = set()
+
+
 def seed_dirs() -> list[Path]:
+    """The read-only seed roots, in order. One that is not a directory is kept (it may appear
+    later) but logged once per process: a typo must not leave a fleet building silently."""
     raw = os.environ.get("JITATTN_CACHE_SEED_DIRS", "")
-    return [Path(p).expanduser() for p in raw.split(os.pathsep) if p.strip()]
+    paths = [Path(p).expanduser() for p in raw.split(os.pathsep) if p.strip()]
+    for path in paths:
+        if str(path) not in _missing_seeds_warned and not path.is_dir():
+            import logging
+
+            _missing_seeds_warned.add(str(path))
+            logging.getLogger("jitattn").warning(
+                "JITATTN_CACHE_SEED_DIRS names %s, which is not a directory: nothing is read from it", path)
+    return paths
 
 
 def arch_list_setting() -> tuple[str, str] | None:
@@ -190,12 +231,32 @@ def record_path() -> Path | None:
 
 
 def remote_cache_url() -> str | None:
+    """The fleet tier's URL, or None. With a URL set, every fleet knob is checked here, at the
+    first read of the tier's configuration (a bad TTL must not surface after a full compile)."""
     raw = os.environ.get("JITATTN_REMOTE_CACHE", "").strip()
+    if raw:
+        check_fleet_knobs()
     return raw or None
 
 
+def check_fleet_knobs() -> None:
+    """A ValueError naming the first fleet knob whose value cannot be used."""
+    remote_cache_ttl()
+    remote_cache_max_bytes()
+    remote_cache_connect_timeout()
+    remote_cache_timeout()
+    remote_cache_lock_ttl()
+    remote_cache_secret()
+
+
 def remote_cache_secret() -> str | None:
-    return os.environ.get("JITATTN_REMOTE_CACHE_KEY") or None
+    """The fleet secret, or None when unset (or set empty). A secret of only whitespace is an
+    error: it signs like a real one but is a placeholder (or a broken template) nobody meant."""
+    raw = os.environ.get("JITATTN_REMOTE_CACHE_KEY")
+    if raw and not raw.strip():
+        raise ValueError(f"JITATTN_REMOTE_CACHE_KEY is only whitespace ({len(raw)} characters): set a real "
+                         f"secret, or unset it to publish unsigned")
+    return raw or None
 
 
 def remote_cache_key_file() -> Path | None:
@@ -210,7 +271,7 @@ def remote_cache_insecure() -> bool:
 def remote_cache_ttl() -> int:
     """Seconds; 0 means published entries never expire."""
     raw = os.environ.get("JITATTN_REMOTE_CACHE_TTL", "").strip()
-    if raw == "0":
+    if raw in ("0", "0.0"):
         return 0
     return max(1, int(_positive_float("JITATTN_REMOTE_CACHE_TTL", 2592000)))
 
@@ -262,6 +323,8 @@ def host_compiler_setting() -> str | None:
 
 
 def _positive_float(name: str, default: float) -> float:
+    """A knob's value as a finite number > 0 (unset or empty: `default`), else a ValueError
+    naming the knob: nan would wait forever, inf never time out, 0 or less mean nothing."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -269,6 +332,6 @@ def _positive_float(name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"{name} must be a number, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {raw!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {raw!r}")
     return value

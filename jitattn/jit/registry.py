@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from jitattn.jit.spec import KernelSpec
+from jitattn.jit.spec import KernelSpec, check_fields, show
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # jitattn/
 _families: dict[str, type[KernelSpec]] = {}
@@ -53,13 +53,18 @@ def families() -> dict[str, type[KernelSpec]]:
 
 
 def family(name: str) -> type[KernelSpec]:
-    found = _families.get(name) or families().get(name)
+    found = _families.get(name) if isinstance(name, str) else None
+    found = found or (families().get(name) if isinstance(name, str) else None)
     if found is None:
-        raise ValueError(f"unknown kernel family {name!r}; known: {sorted(families())}")
+        raise ValueError(f"unknown kernel family {show(name)}; known: {sorted(families())}")
     return found
 
 
 def spec_from_dict(data: dict) -> KernelSpec:
-    """Inverse of `KernelSpec.to_dict` (manifests, record files, CLI): the family names the class."""
-    data = dict(data)
-    return family(data.pop("family", None)).from_fields(data)
+    """Inverse of `KernelSpec.to_dict` (manifests, record files, CLI): the family names the class.
+    Whatever `data` is, the outcome is a spec or a ValueError / TypeError that says what is wrong
+    (manifests, `--spec` JSON and archive or fleet manifests are not trusted)."""
+    data = dict(check_fields(data, "kernel"))
+    if "family" not in data:
+        raise ValueError(f"unknown kernel family None: a spec needs a 'family' field, one of {sorted(families())}")
+    return family(data.pop("family")).from_fields(data)

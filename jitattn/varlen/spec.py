@@ -89,7 +89,19 @@ class VarlenSpec(KernelSpec):
     split_kv: bool = False  # wgmma with the producer: K and V on their own mbarriers (calls take `takes_split_kv`)
     persistent: bool = False  # prefill, producer, TMA, plain GEMM order: a CTA per SM walks many row blocks
 
+    # Field rules (KernelSpec.validate_fields); a tile field's 0 means the tuned default.
+    choices: ClassVar[dict[str, tuple[str, ...]]] = {"dtype": ("float16", "bfloat16")}
+    ranges: ClassVar[dict[str, tuple[int, int]]] = {
+        "head_dim": (32, 256), "warps_m": (0, 16), "m_tiles": (0, 8), "block_n": (0, 256), "stages": (0, 8)}
+    rules: ClassVar[dict[str, str]] = {"head_dim": "a multiple of 16 in [32, 256]"}
+
     def __post_init__(self):
+        self.validate_fields()
+        if self.head_dim % 16:
+            raise ValueError(f"varlen spec field head_dim must be a multiple of 16 in [32, 256], got {self.head_dim}")
+        if self.block_n % 16 or self.stages == 1:
+            raise ValueError(f"varlen tiles take block_n a multiple of 16 and stages >= 2 (0: the default), "
+                             f"got block_n={self.block_n}, stages={self.stages}")
         if self.wgmma and not self.wgmma_fits(self.head_dim, self.decode):
             raise ValueError(f"wgmma varlen kernels are prefill-only with head_dim a multiple of 64 "
                              f"(got head_dim={self.head_dim}, decode={self.decode})")
@@ -334,6 +346,12 @@ class VarlenBackwardSpec(KernelSpec):
     consumer_regs: int = 0  # producer only: the compute warpgroups' registers (setmaxnreg); 0: the tuned split
     persistent: bool = False  # producer, head_dim <= 128: a CTA per SM walks many key tiles (not deterministic)
 
+    # Field rules (KernelSpec.validate_fields); a tile field's 0 means the tuned default.
+    choices: ClassVar[dict[str, tuple[str, ...]]] = {"dtype": ("float16", "bfloat16")}
+    ranges: ClassVar[dict[str, tuple[int, int]]] = {
+        "head_dim": (32, 256), "block_n": (0, 256), "block_m": (0, 128), "warps_q": (0, 2), "consumer_regs": (0, 255)}
+    rules: ClassVar[dict[str, str]] = {"head_dim": "a multiple of 16 in [32, 256]", "warps_q": "1 or 2 (0: the default)"}
+
     @classmethod
     def prewarm_variants(cls, fields: dict, archs: tuple[str, ...]) -> list[dict]:
         """What backward calls with these fields may run on `archs` (as VarlenSpec's forward):
@@ -360,6 +378,7 @@ class VarlenBackwardSpec(KernelSpec):
         return [v for w in rungs for v in (hopper_variants() if w else [{**fields, "wgmma": False}])]
 
     def __post_init__(self):
+        self.validate_fields()
         if self.head_dim % 16 or not 32 <= self.head_dim <= 256:
             raise ValueError(f"varlen_backward head_dim must be a multiple of 16 in [32, 256], got {self.head_dim}")
         if self.dtype not in ("float16", "bfloat16"):
