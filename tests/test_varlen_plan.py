@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import jitattn.varlen.forward as varlen
+from jitattn.kernel import fresh_memos
 from jitattn.varlen import plan
-from jitattn.varlen.checks import AuxRequest
+from jitattn.varlen.checks import AuxRequest, varlen_call
 from jitattn import checks as _checks
 from jitattn.varlen.spec import VarlenSpec
 
@@ -33,20 +34,28 @@ def launches(monkeypatch):
         return types.SimpleNamespace(ops=ops)
 
     monkeypatch.setattr(varlen, "get_module", fake_get_module)
-    monkeypatch.setattr(varlen, "_kernels", {})
     monkeypatch.setattr(_checks, "cuda_device", lambda named: torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda index: types.SimpleNamespace(multi_processor_count=SMS))
-    monkeypatch.setattr(plan, "_hopper", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))  # an A100
     monkeypatch.delenv("JITATTN_DEBUG", raising=False)
     monkeypatch.delenv("JITATTN_WGMMA", raising=False)
-    return recorded
+    monkeypatch.delenv("JITATTN_SPEC_OVERRIDES", raising=False)
+    with fresh_memos():  # the kernel memo and the device's arch are looked up again
+        yield recorded
 
 
 def on_hopper(monkeypatch):
-    monkeypatch.setattr(plan, "_hopper", {})
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(varlen, "is_hopper", lambda device: True)
+
+
+def forward(**kwargs):
+    """jitattn.varlen.forward.forward on a call checked from varlen_attn's arguments."""
+    return varlen.forward(varlen_call(**kwargs))
+
+
+def hopper_prefill(head_dim, paged, soft_cap) -> VarlenSpec:
+    return VarlenSpec.for_call(head_dim, "bfloat16", paged, soft_cap, False, False, True, True)
 
 
 def batch(len_q, len_k, h_q=32, h_kv=8, d=128, dtype=torch.bfloat16):
@@ -60,7 +69,7 @@ def batch(len_q, len_k, h_q=32, h_kv=8, d=128, dtype=torch.bfloat16):
 def launch(launches, **kwargs):
     defaults = dict(scale=None, window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None,
                     num_splits=None, return_aux=None)
-    varlen.forward(**{**defaults, **kwargs})
+    forward(**{**defaults, **kwargs})
     spec, args = launches[-1]
     names = ("q", "k", "v", "cu_q", "cu_k", "used", "table", "out", "bad_page", "pack", "m_blocks", "splits",
              "split_min_tiles", "left", "right", "scale_log2", "softcap", "want_lse")
@@ -174,12 +183,12 @@ def test_a_soft_cap_takes_the_capped_specialization_and_reaches_the_kernel(launc
 def test_an_out_the_kernel_cannot_write_in_place_gets_the_result_copied_in(launches):
     args = batch([3, 5], [10, 10], h_q=8, h_kv=8)
     aligned = torch.full((8, 8, 128), float("nan"), dtype=torch.bfloat16)
-    result, _ = varlen.forward(**args, scale=None, window_size=(-1, -1), seqused_k=None, block_table=None,
+    result, _ = forward(**args, scale=None, window_size=(-1, -1), seqused_k=None, block_table=None,
                                num_splits=None, return_aux=None, out=aligned)
     assert result is aligned and launches[-1][1][7] is aligned  # written in place
     backing = torch.full((8, 8, 129), float("nan"), dtype=torch.bfloat16)
     strided = backing[:, :, 1:]  # rows start 2 bytes into 16-byte vectors
-    result, _ = varlen.forward(**args, scale=None, window_size=(-1, -1), seqused_k=None, block_table=None,
+    result, _ = forward(**args, scale=None, window_size=(-1, -1), seqused_k=None, block_table=None,
                                num_splits=None, return_aux=None, out=strided)
     assert result is strided and launches[-1][1][7] is None  # the kernel allocated; copied into out
 
@@ -201,9 +210,8 @@ def test_hopper_prefill_takes_the_wgmma_rung(launches, monkeypatch):
     on_hopper(monkeypatch)
     for d in (64, 128, 256):
         spec, run = launch(launches, **batch([4096] * 2, [4096] * 2, h_q=16, h_kv=16, d=d), window_size=(-1, 0))
-        assert spec == VarlenSpec(d, "bfloat16", paged=False, decode=False, wgmma=True,
-                                  tma=VarlenSpec.takes_tma(d, False, False, True), split_kv=d == 256,
-                                  persistent=d != 256)
+        assert spec == VarlenSpec(d, "bfloat16", paged=False, decode=False, wgmma=True, tma=True,
+                                  split_kv=d == 256, persistent=d != 256)
         assert spec.tma  # packed keys by TMA where it measured faster: D64 / D128, D256 with split_kv
         assert spec.persistent is (d in (64, 128))  # a CTA per SM walks the row blocks there
         assert (spec.block_m, spec.block_n, spec.stages) == {64: (192, 128, 4), 128: (128, 128, 3), 256: (128, 80, 2)}[d]
@@ -214,11 +222,11 @@ def test_hopper_prefill_calls_take_the_persistent_kernel_at_d64_and_d128_packed_
     for head_dim in (64, 128, 256):
         for paged in (False, True):
             for cap in (False, True):
-                spec = varlen.call_spec(head_dim, "bfloat16", paged, False, True, cap)
+                spec = hopper_prefill(head_dim, paged, cap)
                 assert spec.persistent is (head_dim != 256), spec.name
     # never on the decode tile or the mma.sync rung
-    assert not varlen.call_spec(128, "bfloat16", True, True, False, False).persistent
-    assert not varlen.call_spec(128, "bfloat16", False, False, False, False).persistent
+    assert not VarlenSpec.for_call(128, "bfloat16", True, False, True, False, True, True).persistent
+    assert not VarlenSpec.for_call(128, "bfloat16", False, False, False, False, False, True).persistent
 
 
 def test_wgmma_rung_only_where_it_applies(launches, monkeypatch):
@@ -244,13 +252,13 @@ def _listed_call_specs(manifest: str) -> set:
 ])
 def test_manifests_list_the_prefill_kernels_hopper_calls_run(manifest, head_dims, capped):
     """A manifest that lists a spec no call runs (a stale tile, copy or barrier choice) leaves
-    production's JIT-disabled calls without a kernel: each lists call_spec's for its shapes."""
+    production's JIT-disabled calls without a kernel: each lists for_call's for its shapes."""
     listed = _listed_call_specs(manifest)
     paged_modes = (False,) if manifest == "default.toml" else (False, True)
     for d in head_dims:
         for dtype in ("float16", "bfloat16"):
             for paged in paged_modes:
                 for cap in capped:
-                    spec = varlen.call_spec(d, dtype, paged, False, True, cap)
+                    spec = VarlenSpec.for_call(d, dtype, paged, cap, False, False, True, True)
                     assert spec in listed, (manifest, spec.name)
                     assert spec.split_kv == (d == 256) and spec.tma

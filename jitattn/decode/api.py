@@ -17,6 +17,7 @@ from jitattn.decode.plan import full_wave_min_tiles, split, split_budget
 from jitattn.decode.spec import DecodeSpec
 from jitattn.jit import env
 from jitattn.jit.loader import get_module
+from jitattn.kernel import call_memo
 from jitattn.lazy_ops import trace_time_constant
 
 LOG2E = 1.4426950408889634
@@ -26,7 +27,7 @@ POS_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 _KV_DOC = "[kv_len, num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND)"
 # call shape and device -> (kernel, group tiles, half a wave of CTAs, None or (CTAs in a wave,
 # full_wave_min_tiles): see split_budget)
-_kernels: dict[tuple, tuple] = {}
+_kernels: dict[tuple, tuple] = call_memo()
 
 
 def single_decode_with_kv_cache(

@@ -2,7 +2,8 @@
 
 check_varlen_args checks types, ranks, dtypes, shapes and scalar arguments, each error naming the
 argument; the CUDA-device check comes last, so everything else is testable with CPU tensors. It
-reads no tensor values (that would sync with the GPU). check_varlen_values checks the values
+reads no tensor values (that would sync with the GPU). `varlen_call` packs a checked call into a
+VarlenCall, the one object planning and launch take. check_varlen_values checks the values
 (monotonic cu_seq, seqused_k within its slot, page ids in range) for use under JITATTN_DEBUG=1.
 """
 from __future__ import annotations
@@ -46,6 +47,24 @@ class VarlenArgs(NamedTuple):
     return_lse: bool
     device: torch.device
     softcap: float  # 0.0: no soft cap
+
+
+class VarlenCall(NamedTuple):
+    """A checked varlen_attn call: its tensors and sizes as given, and what check_varlen_args
+    derived (`args`). Built once where a call enters (the API, the ops), read by the forward's
+    planning and launch, so nothing below spells the argument list again."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    cu_seq_q: torch.Tensor
+    cu_seq_k: torch.Tensor | None
+    max_q: int
+    max_k: int
+    seqused_k: torch.Tensor | None
+    block_table: torch.Tensor | None
+    out: torch.Tensor | None
+    args: VarlenArgs
 
 
 def needs_grad(*tensors) -> bool:
@@ -228,6 +247,17 @@ def check_varlen_args(
     device = check.cuda_device({name: t for name, t in named.items() if t is not None})
     return VarlenArgs(num_seqs, total_q, num_heads_q, num_heads_kv, head_dim, scale, left, right, paged,
                       page_size, num_splits, return_lse, device, softcap)
+
+
+def varlen_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                enable_gqa=False, seqused_k=None, block_table=None, num_splits=None, out=None, return_aux=None,
+                softcap=None) -> VarlenCall:
+    """check_varlen_args, and the call packed for the forward (varlen_attn's defaults)."""
+    args = check_varlen_args(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                             window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
+                             block_table=block_table, num_splits=num_splits, out=out, return_aux=return_aux,
+                             softcap=softcap)
+    return VarlenCall(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table, out, args)
 
 
 def check_varlen_values(
