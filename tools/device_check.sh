@@ -50,7 +50,7 @@ fi
 #   backward: the varlen backward rows (the shapes, peers, deterministic, skewed)
 #   transformers: tokens/s of a generation and a training step beside sdpa
 #   persistent: the forward's other schedule at D64 / D128 / D256 (a CTA per row block where calls
-#     take the persistent kernel, VarlenSpec.takes_persistent, and the persistent one at D256) checked
+#     take the persistent kernel, VarlenSpec.for_call, and the persistent one at D256) checked
 #     against float64 and timed beside the default and SDPA, under a timeout (a deadlock must not hang the job)
 bench=${BENCH:-decode}
 wants() { [[ ",$bench," == *",$1,"* || ",$bench," == *",all,"* || ($1 == decode && $bench == 1) ]]; }
