@@ -30,8 +30,8 @@ class AuxRequest(NamedTuple):
 
 
 class VarlenArgs(NamedTuple):
-    """What check_varlen_args derived from a valid call. (A NamedTuple: a frozen dataclass cost
-    the first call ~1 ms to create.)"""
+    """What check_varlen_args derived from a valid call. (A NamedTuple: a frozen dataclass made
+    the first call slower, notes/host-time.md.)"""
 
     num_seqs: int
     total_q: int

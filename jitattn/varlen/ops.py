@@ -2,7 +2,7 @@
 
 torch.compile sees `jitattn::varlen_attn` and `jitattn::varlen_attn_out` (mutates `out`), defined
 here (`jitattn::single_decode_with_kv_cache` is defined in jitattn/decode/api.py, so a decode-only
-process does not pay for importing the varlen side: ~20 ms), as opaque ops whose output shapes
+process does not pay for importing the varlen side: notes/host-time.md), as opaque ops whose output shapes
 come from their fake kernels, so compiled graphs have no break; the real kernels allocate through
 torch's caching allocator on the current stream and never sync, so CUDA graphs capture them. The
 public functions call these ops only while compiling or recording grad; eager calls go straight

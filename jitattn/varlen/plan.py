@@ -32,8 +32,8 @@ def auto_splits(ctas: int, max_k: int, tile: int, capacity: int) -> int:
     short of half a wave of CTAs (decode-shaped batches); then the most splits that fit in half a
     wave, and no more than MIN_SPLIT_TILES-tile chunks of the longest sequence (max_k) can use.
     Half a wave, as for single decode (fewer partials to merge; two CTAs per SM keep enough
-    loads in flight: notes/paged-decode-h200.md). Prefill grids are far above half a wave, so
-    they never split.
+    loads in flight: notes/decode-h200.md, "full_wave_min_tiles"). Prefill grids are far above
+    half a wave, so they never split.
 
     This is only the grid's room: each row block then takes as many of these splits as its own
     key tiles fill, at least MIN_SPLIT_TILES tiles each (the kernel counts them from the

@@ -24,20 +24,20 @@ def _wgmma_archs(name: str, archs: tuple[str, ...]) -> tuple[str, ...]:
 # The tables the call rules read (VarlenSpec.for_call, VarlenBackwardSpec.for_call). Each says
 # where a call takes a variant; the measurements behind it are in the note named.
 # Paged D128 decode tiles copy K/V by TMA on sm_90: off, no gain measured
-# (why: notes/paged-h200.md, "Figures the code cited").
+# (why: notes/paged-h200.md, "DECODE_TMA").
 DECODE_TMA = False
 # Prefill head dims whose wgmma kernel with the TMA producer runs persistent (a CTA per SM walks
-# the row blocks; why: notes/forward-h200.md, "Figures the code cited").
+# the row blocks; why: notes/forward-h200.md, "PERSISTENT_FORWARD_HEAD_DIMS").
 PERSISTENT_FORWARD_HEAD_DIMS: frozenset[int] = frozenset({64, 128})
 # Backward head dims whose wgmma kernel has the producer warpgroup (TMA copies of Q / dO, a bulk
-# dQ add at D64 / D128; why: notes/backward-h200.md, "Figures the code cited").
+# dQ add at D64 / D128; why: notes/backward-h200.md, "PRODUCER_HEAD_DIMS").
 PRODUCER_HEAD_DIMS: frozenset[int] = frozenset({64, 128, 256})
 # Backward head dims whose producer kernel leaves dQ to a query-major kernel of its own
 # (VarlenBackwardSpec.dq_kernel; why: notes/backward-d256.md, "Third step").
 DQ_KERNEL_HEAD_DIMS: frozenset[int] = frozenset({256})
 # Backward head dims whose producer kernel runs persistent (a CTA per SM takes key tiles from a
 # counter) outside deterministic mode, where it measured slower (why: notes/backward-h200.md,
-# "Figures the code cited").
+# "PERSISTENT_HEAD_DIMS").
 PERSISTENT_HEAD_DIMS: frozenset[int] = frozenset({128})
 
 
@@ -171,7 +171,7 @@ class VarlenSpec(KernelSpec):
                           "decode": decode, "wgmma": wgmma, "tma": tma, "split_kv": split_kv,
                           "persistent": persistent})
 
-        # why: notes/forward-tma.md and notes/forward-h200.md, "Figures the code cited"
+        # why (TMA, split_kv, persistent): notes/forward-h200.md, "VarlenSpec.takes_tma" and after
         return _with_overrides(cls, choose(chosen), lambda forced: choose({**forced, **chosen}))
 
     @classmethod
@@ -207,7 +207,7 @@ class VarlenSpec(KernelSpec):
     def default_tile(head_dim: int, decode: bool, wgmma: bool = False, tma: bool = False,
                      split_kv: bool = False) -> tuple[int, int, int, int]:
         """(warps_m, m_tiles, block_n, stages): the tile tools/tune_varlen.py and the schedule
-        sweeps found best for the shape (why: notes/forward-h200.md, "Figures the code cited";
+        sweeps found best for the shape (why: notes/forward-h200.md, "VarlenSpec.default_tile";
         the decode tile: notes/paged-decode-h200.md, "Run 2")."""
         if wgmma:
             if head_dim == 64 and tma:
@@ -223,8 +223,8 @@ class VarlenSpec(KernelSpec):
     def has_producer(self) -> bool:
         """Whether the wgmma rung hands K/V copies to a producer warpgroup (the template's
         PRODUCER): from head_dim 128, and at 64 with TMA. Only those shapes have the `pingpong` /
-        `overlap` GEMM orders, which no call takes (why: notes/forward-h200.md, "Figures the
-        code cited")."""
+        `overlap` GEMM orders, which no call takes (why: notes/forward-h200.md,
+        "VarlenSpec.has_producer")."""
         return self.wgmma and (self.head_dim >= 128 or self.tma)
 
     @property
@@ -370,7 +370,7 @@ class VarlenBackwardSpec(KernelSpec):
     def default_consumer_regs(head_dim: int) -> int:
         """The compute warpgroups' registers beside the producer (CONSUMER_REGS; the producer gets
         the rest): 240 at head_dim 128, where 224 made ptxas serialize every wgmma, 224 elsewhere
-        (why: notes/backward-h200.md, "Figures the code cited")."""
+        (why: notes/backward-h200.md, "VarlenBackwardSpec.default_consumer_regs")."""
         return 240 if head_dim == 128 else 224
 
     @staticmethod
@@ -382,8 +382,8 @@ class VarlenBackwardSpec(KernelSpec):
     def default_tile(head_dim: int, wgmma: bool = False) -> tuple[int, int, int]:
         """(block_n, block_m, warps_q): 128 keys x 64 queries, one warp per 16 keys, up to head_dim
         128; above, 64 x 64 with two warps per key group (dK / dV split along head_dim to fit in
-        registers). The same on both rungs (why: notes/backward-h200.md, "Figures the code
-        cited")."""
+        registers). The same on both rungs (why: notes/backward-h200.md,
+        "VarlenBackwardSpec.default_tile")."""
         if wgmma:  # head_dim 256: 64 keys, the two warpgroups split dK / dV along head_dim (warps_q=2)
             return (128, 64, 1) if head_dim <= 128 else (64, 64, 2)
         return (128, 64, 1) if head_dim <= 128 else (64, 64, 2)
