@@ -8,7 +8,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from jitattn.jit import keys, render
 from jitattn.jit.manifest import read_manifest

@@ -12,6 +12,7 @@ this order, later ones winning:
 `when` (`@...` in the knob) limits an override to calls whose rule choice has those field
 values. A forced spec is validated by the spec's constructor; an error names the override.
 The per-call kernel memos key on `state()`, so switching overrides in one process takes effect.
+Overrides are process-wide (every thread sees them): they are for benchmarks and tests.
 """
 from __future__ import annotations
 
