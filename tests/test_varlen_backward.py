@@ -198,7 +198,7 @@ def test_backward_op_opcheck(standin):
 # ---------------------------------------------------------------- autograd wiring, with a stand-in forward
 def standin_forward(call):
     """jitattn.varlen.forward.forward's contract (a checked VarlenCall in), computed by the reference (any device)."""
-    args, query, out = call.args, call.query, call.out
+    args, query, out = call, call.query, call.out
     o, lse = varlen_attn_reference(query.detach(), call.key.detach(), call.value.detach(), call.cu_seq_q,
                                    call.cu_seq_k, call.max_q, call.max_k, scale=args.scale,
                                    window_size=(args.window_left, args.window_right), seqused_k=call.seqused_k,

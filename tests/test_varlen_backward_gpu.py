@@ -65,7 +65,7 @@ def _standins_on_cpu(monkeypatch):
     from jitattn.varlen import ops as varlen_ops
 
     def forward(call):  # jitattn.varlen.forward.forward's contract: a checked VarlenCall in
-        args = call.args
+        args = call
         o, lse = varlen_attn_reference(call.query, call.key, call.value, call.cu_seq_q, call.cu_seq_k, call.max_q,
                                        call.max_k, scale=args.scale, window_size=(args.window_left, args.window_right),
                                        seqused_k=call.seqused_k, block_table=call.block_table,

@@ -244,8 +244,8 @@ def test_missing_lse_is_recomputed_by_one_forward_with_one_split(launches, monke
     args = inputs([10, 20], [30, 5], lse=False)
     launch.backward(**args, window_size=(4, 0), max_q=20, max_k=30)
     call, = calls
-    assert (call.max_q, call.max_k) == (20, 30) and call.args.num_splits == 1 and call.args.return_lse
-    assert (call.args.window_left, call.args.window_right) == (4, 0)
+    assert (call.max_q, call.max_k) == (20, 30) and call.num_splits == 1 and call.return_lse
+    assert (call.window_left, call.window_right) == (4, 0)
     assert (launches[-1][1]["lse"] == 0.5).all()
 
 

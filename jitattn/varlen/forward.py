@@ -22,7 +22,7 @@ _kernels: dict[tuple, tuple[OpKernel, int, int]] = call_memo()
 
 def forward(call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
     """Plan and launch a checked call. Returns (out, lse); lse is (0, T_q) unless the call asked for it."""
-    args = call.args
+    args = call  # the checked sizes (VarlenArgs' fields) are the call's own
     query, key, max_q = call.query, call.key, call.max_q
     debug = env.debug() and not torch.cuda.is_current_stream_capturing()
     if debug:  # reads the metadata back: a sync, so only when asked for
