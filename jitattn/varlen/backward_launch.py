@@ -74,6 +74,8 @@ def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tens
     if grad_lse is not None and grad_lse.shape[0] != heads_q:
         grad_lse = None
     hopper = is_hopper(query.device)
+    # for_call's arguments in its order (head_dim, dtype, soft cap, deterministic, sm_90,
+    # JITATTN_WGMMA there), then the override state
     facts = (head_dim, query.dtype, softcap > 0, bool(deterministic), hopper, hopper and env.wgmma_enabled(),
              overrides.state())
     entry = _kernels.get(facts)

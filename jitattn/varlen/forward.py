@@ -31,6 +31,8 @@ def forward(call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
 
     group = args.num_heads_q // args.num_heads_kv
     hopper = is_hopper(args.device)
+    # for_call's arguments in its order (head_dim, dtype, paged, soft cap, few rows, one split,
+    # sm_90, JITATTN_WGMMA there), then the override state
     facts = (args.head_dim, query.dtype, args.paged, args.softcap > 0, max_q * group <= DECODE_ROWS,
              args.num_splits == 1, hopper, hopper and env.wgmma_enabled(), overrides.state())
     entry = _kernels.get(facts)
