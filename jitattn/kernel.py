@@ -1,7 +1,36 @@
-"""A loaded kernel module as a family's API uses it: its wave size per device, and its `run` op."""
+"""A loaded kernel module as a family's API uses it (its wave size per device, its `run` op), and
+the per-call memos that keep the warm path to a dictionary lookup."""
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
+
+_MEMOS: list[dict] = []
+
+
+def call_memo() -> dict:
+    """A new memo of work a call does once per shape or device (its loaded kernel, its device's
+    arch), registered so that `fresh_memos` can empty it."""
+    memo: dict = {}
+    _MEMOS.append(memo)
+    return memo
+
+
+@contextlib.contextmanager
+def fresh_memos() -> Iterator[None]:
+    """Within the block every call memo starts empty, so calls look up their kernel and device
+    again (tests that stand in for the loader or the GPU); after it, the memos hold what they held."""
+    saved = [dict(memo) for memo in _MEMOS]
+    for memo in _MEMOS:
+        memo.clear()
+    try:
+        yield
+    finally:
+        for memo, before in zip(_MEMOS, saved):
+            memo.clear()
+            memo.update(before)
 
 
 class LoadedKernel:

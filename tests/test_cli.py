@@ -437,9 +437,9 @@ def test_prewarm_varlen_dry_run_lists_what_calls_on_the_arch_run(capsys, no_buil
     got, out = dry_run(capsys, "prewarm", "--family", "varlen", "--head-dim", "64,128", "--dtype", "bfloat16",
                        "--arch", "9.0")
     # TMA: every prefill at D64 and D128, and, if DECODE_TMA, the paged D128 decode tile; the
-    # prefill kernels persistent (VarlenSpec.takes_persistent).
+    # prefill kernels persistent (VarlenSpec.for_call).
     want = [VarlenSpec(d, "bfloat16", paged, decode, wgmma=not decode,
-                       tma=VarlenSpec.takes_tma(d, paged, decode, not decode), persistent=not decode)
+                       tma=not decode or (varlen_spec.DECODE_TMA and paged and d == 128), persistent=not decode)
             for d in (64, 128) for paged in (False, True) for decode in (False, True)]
     assert [s.tma for s in want] == [True, False, True, False, True, False, True, False]
     assert [registry.spec_from_dict(d) for d in got] == want

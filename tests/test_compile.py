@@ -56,9 +56,10 @@ def _fresh_memos(monkeypatch):
         monkeypatch.delenv("CUDA_HOME")
     monkeypatch.setattr(loader, "_modules", {})
     monkeypatch.setattr(record, "_recorded", set())
-    import jitattn.decode.api as decode_api
+    from jitattn.kernel import fresh_memos
 
-    monkeypatch.setattr(decode_api, "_kernels", {})
+    with fresh_memos():  # the per-call kernel memos too
+        yield
 
 
 def use_cache(monkeypatch, root: Path) -> None:

@@ -591,7 +591,7 @@ def test_split_kv_is_a_spec_field_that_round_trips(head_dim, paged, tma):
 @pytest.mark.parametrize("head_dim, paged", [(128, False), (128, True), (64, False), (256, False), (256, True)])
 def test_persistent_is_a_spec_field_that_round_trips(head_dim, paged):
     base = VarlenSpec(head_dim=head_dim, dtype="bfloat16", paged=paged, wgmma=True, tma=True,
-                      split_kv=VarlenSpec.takes_split_kv(head_dim, True, True))
+                      split_kv=head_dim == 256)
     assert base.persistent is False  # a CTA per row block
     persistent = dataclasses.replace(base, persistent=True)
     kernels = _a_new_kernel_of_its_own(base, persistent, "persistent", "_persistent")
@@ -618,14 +618,19 @@ def test_persistent_takes_the_tma_producer_kernels_only(fields):
         VarlenSpec(dtype="bfloat16", **fields, persistent=True)
 
 
+def hopper_prefill(head_dim: int, paged: bool = False, **chosen) -> VarlenSpec:
+    """The spec a prefill call on sm_90 runs (VarlenSpec.for_call)."""
+    return VarlenSpec.for_call(head_dim, "bfloat16", paged, False, False, False, True, True, **chosen)
+
+
 def test_calls_take_split_kv_at_d256_by_tma_with_its_two_stage_tile():
-    assert VarlenSpec.takes_split_kv(256, True, True)
-    assert not any(VarlenSpec.takes_split_kv(d, True, True) for d in (64, 128, 192))
-    assert not VarlenSpec.takes_split_kv(256, False, False) and not VarlenSpec.takes_split_kv(256, True, False)
+    assert hopper_prefill(256).split_kv and hopper_prefill(256, paged=True).split_kv
+    assert not any(hopper_prefill(d).split_kv for d in (64, 128, 192))
+    assert not hopper_prefill(256, wgmma=False).split_kv and not hopper_prefill(256, tma=False).split_kv
     split = VarlenSpec(256, "bfloat16", wgmma=True, tma=True, split_kv=True)
     plain = VarlenSpec(256, "bfloat16", wgmma=True, tma=True)
     assert (split.block_n, split.stages) == (80, 2) and (plain.block_n, plain.stages) == (48, 3)
-    # prewarm lists what a call runs: split_kv where takes_split_kv says, unless the manifest names it
+    # prewarm lists what a call runs: split_kv where for_call takes it, unless the manifest names it
     variants = VarlenSpec.prewarm_variants({"head_dim": 256, "paged": False, "decode": False}, ("9.0",))
     assert [v.get("split_kv", False) for v in variants] == [True]
     named = VarlenSpec.prewarm_variants({"head_dim": 256, "paged": False, "decode": False, "split_kv": False}, ("9.0",))
@@ -659,11 +664,12 @@ def test_tma_is_a_spec_field_that_round_trips(head_dim, paged):
     assert "CUtensorMap" not in render.render(base, "ns")["kernels.cu"]
     # Calls take it where it measured better: paged producer shapes, packed keys at D64 / D128 and D256
     # (with split_kv), and the paged D128 decode tile on sm_90 if DECODE_TMA (off, no gain measured).
-    assert VarlenSpec.takes_tma(head_dim, paged, False, True) is (paged or head_dim in (64, 128, 256))
-    assert not VarlenSpec.takes_tma(192, False, False, True)  # not measured there
-    assert VarlenSpec.takes_tma(64, True, False, True)  # paged D64: the packed kernel's tile (same bits)
-    assert VarlenSpec.takes_tma(head_dim, True, True, False) is (head_dim == 128 and varlen_spec.DECODE_TMA)
-    assert not VarlenSpec.takes_tma(128, True, True, False, hopper=False) and not VarlenSpec.takes_tma(128, False, True, False)
+    assert hopper_prefill(head_dim, paged).tma is (paged or head_dim in (64, 128, 256))
+    assert not hopper_prefill(192).tma  # not measured there
+    assert hopper_prefill(64, paged=True).tma  # paged D64: the packed kernel's tile (same bits)
+    decode = lambda d, paged, hopper: VarlenSpec.for_call(d, "bfloat16", paged, False, True, False, hopper, True)
+    assert decode(head_dim, True, True).tma is (head_dim == 128 and varlen_spec.DECODE_TMA)
+    assert not decode(128, True, False).tma and not decode(128, False, True).tma
 
 
 def test_decode_tile_tma_renders_the_lockstep_copies_for_sm90a_only():

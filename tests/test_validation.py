@@ -15,7 +15,7 @@ import torch
 import jitattn
 import jitattn.decode.api as decode
 from jitattn import checks as _checks
-from jitattn.kernel import LoadedKernel
+from jitattn.kernel import LoadedKernel, fresh_memos
 from tests.conftest import missing_names
 
 F16, BF16 = torch.float16, torch.bfloat16
@@ -30,7 +30,8 @@ def no_compile(monkeypatch):
         pytest.fail(f"get_module({spec!r}) was called: validation must reject the call first")
 
     monkeypatch.setattr(decode, "get_module", forbidden)
-    monkeypatch.setattr(decode, "_kernels", {})  # the per-call fast-path memo starts empty
+    with fresh_memos():  # the per-call fast-path memo starts empty
+        yield
 
 
 def inputs(num_qo=8, num_kv=2, kv_len=16, head_dim=64, dtype=F16, kv_dtype=None, layout="NHD"):

@@ -196,18 +196,19 @@ def test_backward_op_opcheck(standin):
 
 
 # ---------------------------------------------------------------- autograd wiring, with a stand-in forward
-def standin_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa,
-                    seqused_k, block_table, num_splits, return_aux, out=None, softcap=None):
-    """jitattn.varlen.forward.forward's contract, computed by the reference (any device)."""
-    o, lse = varlen_attn_reference(query.detach(), key.detach(), value.detach(), cu_seq_q, cu_seq_k, max_q, max_k,
-                                   scale=scale, window_size=window_size, seqused_k=seqused_k,
-                                   block_table=block_table, softcap=softcap)
-    standin_forward.calls.append(return_aux)
+def standin_forward(call):
+    """jitattn.varlen.forward.forward's contract (a checked VarlenCall in), computed by the reference (any device)."""
+    args, query, out = call, call.query, call.out
+    o, lse = varlen_attn_reference(query.detach(), call.key.detach(), call.value.detach(), call.cu_seq_q,
+                                   call.cu_seq_k, call.max_q, call.max_k, scale=args.scale,
+                                   window_size=(args.window_left, args.window_right), seqused_k=call.seqused_k,
+                                   block_table=call.block_table, softcap=args.softcap or None)
+    standin_forward.calls.append(jitattn.AuxRequest(lse=True) if args.return_lse else None)
     o = o.to(query.dtype)
     if out is not None:
         out.copy_(o)
         o = out
-    if return_aux is not None and return_aux.lse:
+    if args.return_lse:
         return o, lse.float()
     return o, lse.new_empty((0, query.shape[0]), dtype=F32)
 

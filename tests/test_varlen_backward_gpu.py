@@ -25,6 +25,7 @@ for the kernels; the CUDA-only tests (graphs, memory, timing) skip there.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -35,6 +36,7 @@ import torch
 
 import jitattn
 import jitattn.varlen.ops  # noqa: F401  (registers torch.ops.jitattn.varlen_attn*)
+from jitattn.jit.loader import get_module
 from jitattn.reference import varlen_attn_reference
 from jitattn.reference_backward import varlen_attn_backward as closed_form_backward
 from tests.gpu_utils import poison_allocator, rel_error
@@ -62,14 +64,15 @@ def _standins_on_cpu(monkeypatch):
     from jitattn.varlen import backward_launch as varlen_backward_launch
     from jitattn.varlen import ops as varlen_ops
 
-    def forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa, seqused_k,
-                block_table, num_splits, return_aux, out=None, softcap=None):
-        o, lse = varlen_attn_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                                       window_size=window_size, seqused_k=seqused_k, block_table=block_table,
-                                       softcap=softcap)
-        if return_aux is None or not return_aux.lse:
+    def forward(call):  # jitattn.varlen.forward.forward's contract: a checked VarlenCall in
+        args = call
+        o, lse = varlen_attn_reference(call.query, call.key, call.value, call.cu_seq_q, call.cu_seq_k, call.max_q,
+                                       call.max_k, scale=args.scale, window_size=(args.window_left, args.window_right),
+                                       seqused_k=call.seqused_k, block_table=call.block_table,
+                                       softcap=args.softcap or None)
+        if not args.return_lse:
             lse = lse[:0]
-        return o.to(query.dtype), lse.float()
+        return o.to(call.query.dtype), lse.float()
 
     def backward(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k=None, *, scale=None,
                  window_size=(-1, -1), max_q=None, max_k=None, deterministic=None, softcap=None):
@@ -83,56 +86,42 @@ def _standins_on_cpu(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def _producer_variant(monkeypatch):
-    """JITATTN_TEST_BACKWARD_PRODUCER=1 (0): every wgmma backward with (without) the producer
-    warpgroup, whatever the default (jitattn.varlen_backward_launch.PRODUCER_HEAD_DIMS)."""
-    choice = os.environ.get("JITATTN_TEST_BACKWARD_PRODUCER")
-    if choice is not None:
-        from jitattn.varlen import backward_launch as varlen_backward_launch
+def _backward_variant():
+    """The GPU suite's variant knobs, each a public override of the call rule (override_spec):
+    JITATTN_TEST_BACKWARD_PRODUCER=1 (0): every wgmma backward with (without) the producer warpgroup;
+    JITATTN_TEST_BACKWARD_PERSISTENT=1: the producer kernels at D64 / D128 persistent (a CTA per SM,
+    deterministic mode too), 0: a CTA per key tile; JITATTN_TEST_BACKWARD_DQ_KERNEL=0: D256's dQ in
+    the main kernel again; JITATTN_TEST_BACKWARD_CONSUMER_REGS=224 (or 240): the producer kernels
+    at D128 with that register split (VarlenBackwardSpec.consumer_regs; the default is 240 there)."""
+    from jitattn.varlen.plan import override_spec
 
-        monkeypatch.setattr(varlen_backward_launch, "PRODUCER_HEAD_DIMS", frozenset({64, 128, 256} if choice == "1" else ()))
-        monkeypatch.setattr(varlen_backward_launch, "_kernels", {})
-    persistent = os.environ.get("JITATTN_TEST_BACKWARD_PERSISTENT")
-    if persistent is not None:  # 1: D64 / D128 persistent (a CTA per SM), 0: a CTA per key tile
-        from jitattn.varlen import backward_launch as varlen_backward_launch
-
-        monkeypatch.setattr(varlen_backward_launch, "PERSISTENT_HEAD_DIMS", frozenset({64, 128} if persistent == "1" else ()))
-        monkeypatch.setattr(varlen_backward_launch, "_kernels", {})
-    if os.environ.get("JITATTN_TEST_BACKWARD_DQ_KERNEL") == "0":  # D256: dQ in the main kernel again
-        from jitattn.varlen import backward_launch as varlen_backward_launch
-
-        monkeypatch.setattr(varlen_backward_launch, "DQ_KERNEL_HEAD_DIMS", frozenset())
-        monkeypatch.setattr(varlen_backward_launch, "_kernels", {})
-
-
-@pytest.fixture(autouse=True)
-def _consumer_regs_variant(monkeypatch):
-    """JITATTN_TEST_BACKWARD_CONSUMER_REGS=224 (or 240): every producer backward at head_dim 128
-    with that register split (VarlenBackwardSpec.consumer_regs; the default is 240 there)."""
-    regs = os.environ.get("JITATTN_TEST_BACKWARD_CONSUMER_REGS")
-    if regs is not None:
-        import dataclasses
-
-        from jitattn.varlen import backward_launch as varlen_backward_launch
-
-        plan = varlen_backward_launch.plan
-
-        def with_regs(head_dim, dtype, wgmma=False, soft_cap=False, deterministic=False):
-            spec = plan(head_dim, dtype, wgmma, soft_cap, deterministic)
-            return dataclasses.replace(spec, consumer_regs=int(regs)) if spec.producer and head_dim == 128 else spec
-
-        monkeypatch.setattr(varlen_backward_launch, "plan", with_regs)
-        monkeypatch.setattr(varlen_backward_launch, "_kernels", {})
+    with contextlib.ExitStack() as stack:
+        producer = os.environ.get("JITATTN_TEST_BACKWARD_PRODUCER")
+        if producer is not None:
+            stack.enter_context(override_spec("varlen_backward", when={"wgmma": True}, producer=producer == "1"))
+        persistent = os.environ.get("JITATTN_TEST_BACKWARD_PERSISTENT")
+        if persistent == "1":
+            for head_dim in (64, 128):
+                stack.enter_context(override_spec("varlen_backward", when={"producer": True, "head_dim": head_dim},
+                                                  persistent=True))
+        elif persistent is not None:
+            stack.enter_context(override_spec("varlen_backward", persistent=False))
+        if os.environ.get("JITATTN_TEST_BACKWARD_DQ_KERNEL") == "0":
+            stack.enter_context(override_spec("varlen_backward", dq_kernel=False))
+        regs = os.environ.get("JITATTN_TEST_BACKWARD_CONSUMER_REGS")
+        if regs is not None:
+            stack.enter_context(override_spec("varlen_backward", when={"producer": True, "head_dim": 128},
+                                              consumer_regs=int(regs)))
+        yield
 
 
 @pytest.fixture(params=["default", "mma"])
-def rung(request, monkeypatch):
+def rung(request):
     """Run the test on the default rung (wgmma at head_dim 64/128/256 on sm_90) and on mma.sync."""
-    if request.param == "mma":
-        from jitattn.varlen import backward_launch as varlen_backward_launch
+    from jitattn.varlen.plan import override_spec
 
-        monkeypatch.setattr(varlen_backward_launch, "wgmma_allowed", lambda device: False)
-    return request.param
+    with override_spec("varlen_backward", wgmma=False) if request.param == "mma" else contextlib.nullcontext():
+        yield request.param
 
 
 def leaves(b: Batch, dtype=None):
@@ -285,14 +274,14 @@ def random_config(seed: int):
 
 
 @pytest.mark.parametrize("seed", range(240))
-def test_random_configuration_matches_float64(seed, monkeypatch):
-    b, window, kind, scale, with_lse = random_config(seed)
-    if (seed // len(HEAD_DIMS)) % 2:  # half of each head_dim's configs on the mma.sync rung
-        from jitattn.varlen import backward_launch as varlen_backward_launch
+def test_random_configuration_matches_float64(seed):
+    from jitattn.varlen.plan import override_spec
 
-        monkeypatch.setattr(varlen_backward_launch, "wgmma_allowed", lambda device: False)
-    errors = check_case(b, window, f"seed {seed} {kind} window={window} scale={scale} lse={with_lse}", seed=seed,
-                        scale=scale, with_lse=with_lse)
+    b, window, kind, scale, with_lse = random_config(seed)
+    mma = (seed // len(HEAD_DIMS)) % 2  # half of each head_dim's configs on the mma.sync rung
+    with override_spec("varlen_backward", wgmma=False) if mma else contextlib.nullcontext():
+        errors = check_case(b, window, f"seed {seed} {kind} window={window} scale={scale} lse={with_lse}", seed=seed,
+                            scale=scale, with_lse=with_lse)
     if kind == "one-key" and not with_lse:
         assert set(errors) <= {"dv"}, f"with one visible key dq and dk are exactly zero, yet compared relatively: {errors}"
 
@@ -593,20 +582,24 @@ def test_cuda_graph_captures_forward_and_backward_and_replays_new_data(determini
 
 
 @cuda_only
-def test_hopper_runs_the_wgmma_rung_at_head_dim_64_128_and_256():
+def test_hopper_runs_the_wgmma_rung_at_head_dim_64_128_and_256(monkeypatch):
+    from jitattn.kernel import fresh_memos
     from jitattn.varlen import backward_launch as launch
+    from jitattn.varlen.spec import DQ_KERNEL_HEAD_DIMS, PERSISTENT_HEAD_DIMS, PRODUCER_HEAD_DIMS
 
     if not launch.wgmma_allowed(torch.device("cuda")):
         pytest.skip("not an sm_90 GPU (or JITATTN_WGMMA=0)")
+    planned = []
+    monkeypatch.setattr(launch, "get_module", lambda spec: planned.append(spec) or get_module(spec))
     for head_dim in (64, 128, 256):
         b = make_batch([40], [40], 2, 2, head_dim, BF16, seed=head_dim)
-        run_backward(b, (-1, 0), grad_out_for(b, 0))
-        key = (head_dim, BF16, True, False, False)  # (head_dim, dtype, wgmma allowed, soft cap, deterministic)
-        assert key in launch._kernels
-        spec = launch._kernels[key][1]
-        assert spec.wgmma and spec.producer is (head_dim in launch.PRODUCER_HEAD_DIMS)
-        assert spec.dq_kernel is (spec.producer and head_dim in launch.DQ_KERNEL_HEAD_DIMS)
-        assert spec.persistent is (spec.producer and head_dim in launch.PERSISTENT_HEAD_DIMS)
+        with fresh_memos():  # the call looks its kernel up again: `planned` sees its spec
+            run_backward(b, (-1, 0), grad_out_for(b, 0))
+        spec = planned[-1]
+        assert spec.head_dim == head_dim and not torch.are_deterministic_algorithms_enabled()
+        assert spec.wgmma and spec.producer is (head_dim in PRODUCER_HEAD_DIMS)
+        assert spec.dq_kernel is (spec.producer and head_dim in DQ_KERNEL_HEAD_DIMS)
+        assert spec.persistent is (spec.producer and head_dim in PERSISTENT_HEAD_DIMS)
 
 
 # ---------------------------------------------------------------- refusals (also tested on the CPU)

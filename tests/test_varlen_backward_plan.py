@@ -8,7 +8,9 @@ import types
 import pytest
 import torch
 
+from jitattn.kernel import fresh_memos
 from jitattn.varlen import backward_launch as launch
+from jitattn.varlen.plan import override_spec
 from jitattn.varlen.spec import VarlenBackwardSpec
 
 F16, BF16, I32 = torch.float16, torch.bfloat16, torch.int32
@@ -33,9 +35,15 @@ def launches(monkeypatch):
         return types.SimpleNamespace(ops=types.SimpleNamespace(run=types.SimpleNamespace(default=run)))
 
     monkeypatch.setattr(launch, "get_module", fake_get_module)
-    monkeypatch.setattr(launch, "_kernels", {})
     monkeypatch.delenv("JITATTN_WGMMA", raising=False)
-    return recorded
+    monkeypatch.delenv("JITATTN_SPEC_OVERRIDES", raising=False)
+    with fresh_memos():
+        yield recorded
+
+
+def on_hopper(monkeypatch, hopper: bool = True):
+    """The inputs (CPU tensors) stand for tensors on an sm_90 GPU, or on another."""
+    monkeypatch.setattr(launch, "is_hopper", lambda device: hopper)
 
 
 def inputs(len_q, len_k, h_q=8, h_kv=2, d=128, dtype=BF16, lse=True):
@@ -72,7 +80,9 @@ def test_hopper_rung_where_it_covers_the_head_dim(launches, monkeypatch, head_di
     """On sm_90 head_dim 64 / 128 / 256 run the wgmma rung (JITATTN_WGMMA=0 turns it off, as for the
     forward), at 128 persistent, at 256 with dQ in its own kernel; other head dims and GPUs the
     mma.sync one."""
-    monkeypatch.setattr(launch, "wgmma_allowed", lambda device: hopper and knob != "0")
+    on_hopper(monkeypatch, hopper)
+    if knob is not None:
+        monkeypatch.setenv("JITATTN_WGMMA", knob)
     _, (spec, _), _ = call(launches, shape=dict(d=head_dim))
     assert spec.wgmma is want
     assert spec == VarlenBackwardSpec(head_dim, "bfloat16", wgmma=want, producer=want,
@@ -83,7 +93,7 @@ def test_deterministic_mode_plans_a_cta_per_key_tile(launches, monkeypatch):
     """The persistent D128 kernel is the default; under torch.use_deterministic_algorithms the plan
     takes the kernel a CTA per key tile (the persistent one run so measured slower), and the two
     are cached apart."""
-    monkeypatch.setattr(launch, "wgmma_allowed", lambda device: True)
+    on_hopper(monkeypatch)
     previous = torch.are_deterministic_algorithms_enabled()
     try:
         for deterministic in (False, True):
@@ -92,47 +102,45 @@ def test_deterministic_mode_plans_a_cta_per_key_tile(launches, monkeypatch):
             assert spec.persistent is not deterministic
     finally:
         torch.use_deterministic_algorithms(previous)
-    assert {key[-1] for key in launch._kernels if key[0] == 128} == {False, True}
+    assert len({spec for spec, _ in launches}) == 2
 
 
 def test_dq_kernel_where_plan_lists_it(launches, monkeypatch):
-    """D256 on sm_90 takes the dQ kernel unless DQ_KERNEL_HEAD_DIMS leaves 256 out; the call then
-    passes the dQ grid (query tiles of 128 packed rows) as the op's last argument."""
-    monkeypatch.setattr(launch, "wgmma_allowed", lambda device: True)
-    for dims in (frozenset(), frozenset({256})):
-        monkeypatch.setattr(launch, "DQ_KERNEL_HEAD_DIMS", dims)
-        monkeypatch.setattr(launch, "_kernels", {})
-        _, (spec, run), _ = call(launches, shape=dict(d=256))
-        assert spec == VarlenBackwardSpec(256, "bfloat16", wgmma=True, producer=True, dq_kernel=bool(dims))
+    """D256 on sm_90 takes the dQ kernel unless an override turns it off; the call then passes
+    the dQ grid (query tiles of 128 packed rows) as the op's last argument."""
+    on_hopper(monkeypatch)
+    for dq_kernel in (False, True):
+        with override_spec("varlen_backward", dq_kernel=dq_kernel):
+            _, (spec, run), _ = call(launches, shape=dict(d=256))
+        assert spec == VarlenBackwardSpec(256, "bfloat16", wgmma=True, producer=True, dq_kernel=dq_kernel)
         # max_q 300 x 4 query heads per KV head (8 / 2) = 1200 packed rows: 10 tiles of 128
-        assert run.get("m_blocks") == (10 if dims else None)
+        assert run.get("m_blocks") == (10 if dq_kernel else None)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_producer_warpgroup_at_the_head_dims_that_take_it(launches, monkeypatch, head_dim):
-    monkeypatch.setattr(launch, "wgmma_allowed", lambda device: True)
-    for dims in (frozenset(), frozenset({head_dim})):
-        monkeypatch.setattr(launch, "PRODUCER_HEAD_DIMS", dims)
-        monkeypatch.setattr(launch, "_kernels", {})
+    on_hopper(monkeypatch)
+    _, (spec, _), _ = call(launches, shape=dict(d=head_dim))
+    assert spec == VarlenBackwardSpec(head_dim, "bfloat16", wgmma=True, producer=True, persistent=head_dim == 128)
+    with override_spec("varlen_backward", producer=False):  # the lockstep kernel: no persistent variant either
         _, (spec, _), _ = call(launches, shape=dict(d=head_dim))
-        assert spec == VarlenBackwardSpec(head_dim, "bfloat16", wgmma=True, producer=bool(dims),
-                                          persistent=bool(dims) and head_dim in launch.PERSISTENT_HEAD_DIMS)
-    monkeypatch.setattr(launch, "wgmma_allowed", lambda device: False)  # mma.sync has no producer
-    monkeypatch.setattr(launch, "_kernels", {})
+    assert spec == VarlenBackwardSpec(head_dim, "bfloat16", wgmma=True)
+    on_hopper(monkeypatch, False)  # mma.sync has no producer
     assert not call(launches, shape=dict(d=head_dim))[1][0].producer
 
 
 def test_wgmma_allowed_reads_the_device_and_the_knob(monkeypatch):
-    monkeypatch.setattr(launch, "_hopper", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     monkeypatch.delenv("JITATTN_WGMMA", raising=False)
-    assert launch.wgmma_allowed(torch.device("cuda", 0))
-    monkeypatch.setenv("JITATTN_WGMMA", "0")
-    assert not launch.wgmma_allowed(torch.device("cuda", 0))
-    monkeypatch.setattr(launch, "_hopper", {})
+    with fresh_memos():
+        assert launch.wgmma_allowed(torch.device("cuda", 0))
+        monkeypatch.setenv("JITATTN_WGMMA", "0")
+        assert not launch.wgmma_allowed(torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
     monkeypatch.delenv("JITATTN_WGMMA")
-    assert not launch.wgmma_allowed(torch.device("cuda", 0))
+    with fresh_memos():
+        assert not launch.wgmma_allowed(torch.device("cuda", 0))
+    assert not launch.wgmma_allowed(torch.device("cpu"))
 
 
 def test_grid_comes_from_max_k_not_from_the_data(launches):
@@ -224,17 +232,20 @@ def test_lse_gradient_is_passed_only_when_it_has_rows(launches):
 def test_missing_lse_is_recomputed_by_one_forward_with_one_split(launches, monkeypatch):
     calls = []
 
-    def forward(*args, **kw):
-        calls.append((args[5:7], kw))
-        return torch.empty_like(args[0]), torch.full((args[0].shape[1], args[0].shape[0]), 0.5)
+    def forward(call):
+        calls.append(call)
+        return torch.empty_like(call.query), torch.full((call.query.shape[1], call.query.shape[0]), 0.5)
 
     import jitattn.varlen.forward as forward_module
+    from jitattn import checks as _checks
 
     monkeypatch.setattr(forward_module, "forward", forward)
+    monkeypatch.setattr(_checks, "cuda_device", lambda named: torch.device("cuda", 0))  # CPU inputs pass
     args = inputs([10, 20], [30, 5], lse=False)
     launch.backward(**args, window_size=(4, 0), max_q=20, max_k=30)
-    (max_qk, kw), = calls
-    assert max_qk == (20, 30) and kw["num_splits"] == 1 and kw["return_aux"].lse and kw["window_size"] == (4, 0)
+    call, = calls
+    assert (call.max_q, call.max_k) == (20, 30) and call.num_splits == 1 and call.return_lse
+    assert (call.window_left, call.window_right) == (4, 0)
     assert (launches[-1][1]["lse"] == 0.5).all()
 
 

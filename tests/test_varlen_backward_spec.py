@@ -8,12 +8,10 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from jitattn.jit import keys, render
 from jitattn.jit.manifest import read_manifest
 from jitattn.jit.registry import spec_from_dict
-from jitattn.varlen import backward_launch
 from jitattn.varlen.spec import CONSUMER_REGS, DQ_KERNEL_HEAD_DIMS, PERSISTENT_HEAD_DIMS, VarlenBackwardSpec, VarlenSpec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,11 +86,13 @@ def test_backward_persistent_is_a_variant_of_the_producer_kernel_the_default_at_
     assert "constexpr bool PERSISTENT = true;" in render.render(persistent, "x")["kernels.cu"]
     assert "constexpr bool PERSISTENT = false;" in render.render(spec, "x")["kernels.cu"]
     # The plan takes it at D128 with the producer outside deterministic mode, never elsewhere.
-    assert backward_launch.plan(128, torch.bfloat16, wgmma=True).persistent
-    assert not backward_launch.plan(64, torch.float16, wgmma=True).persistent
-    assert not backward_launch.plan(128, torch.bfloat16, wgmma=True, deterministic=True).persistent
-    assert not backward_launch.plan(256, torch.bfloat16, wgmma=True).persistent
-    assert not backward_launch.plan(128, torch.bfloat16, wgmma=False).persistent
+    plan = lambda head_dim, dtype, hopper=True, deterministic=False: VarlenBackwardSpec.for_call(
+        head_dim, dtype, False, deterministic, hopper)
+    assert plan(128, "bfloat16").persistent
+    assert not plan(64, "float16").persistent
+    assert not plan(128, "bfloat16", deterministic=True).persistent
+    assert not plan(256, "bfloat16").persistent
+    assert not plan(128, "bfloat16", hopper=False).persistent
     # What `prewarm --family varlen_backward` builds follows the plan (both modes) unless named.
     fields = {"head_dim": 128, "dtype": "bfloat16"}
     assert [v.get("persistent") for v in VarlenBackwardSpec.prewarm_variants(fields, ("9.0a",))] == [True, False]
@@ -201,25 +201,21 @@ def test_manifests_list_the_backward_beside_the_forward(manifest):
                 producer = VarlenBackwardSpec(head_dim, dtype, wgmma=True, producer=True,
                                               dq_kernel=head_dim in DQ_KERNEL_HEAD_DIMS,
                                               persistent=head_dim in PERSISTENT_HEAD_DIMS)
-                assert producer in backward, (manifest, head_dim, dtype)  # what backward_launch plans
+                assert producer in backward, (manifest, head_dim, dtype)  # what for_call picks
                 lockstep = VarlenBackwardSpec(head_dim, dtype, wgmma=True)
                 assert (lockstep in backward) == (manifest == "gpu-tests.toml"), "the lockstep variant is opt-in"
 
 
 @pytest.mark.parametrize("manifest, capped", [("default.toml", (False,)), ("gpu-tests.toml", (False, True))])
 def test_manifests_list_the_backward_kernels_hopper_calls_run(manifest, capped):
-    """Each backward a call plans on sm_90 (backward_launch.plan: dq_kernel at D256, the register
+    """Each backward a call plans on sm_90 (VarlenBackwardSpec.for_call: dq_kernel at D256, the register
     split at D128, the soft cap's variant) is in the manifest, so production's and the GPU tests'
     JIT-disabled calls find it (the D256 soft-cap dq_kernel was once missing from gpu-tests.toml)."""
-    import torch
-
-    from jitattn.varlen.backward_launch import plan
-
     listed = {s for s in read_manifest(REPO / "cache" / manifest) if isinstance(s, VarlenBackwardSpec)}
     for head_dim in (64, 128, 256):
-        for dtype in (torch.float16, torch.bfloat16):
+        for dtype in ("float16", "bfloat16"):
             for cap in capped:
                 for deterministic in (False, True):
-                    spec = plan(head_dim, dtype, wgmma=True, soft_cap=cap, deterministic=deterministic)
+                    spec = VarlenBackwardSpec.for_call(head_dim, dtype, cap, deterministic, hopper=True)
                     assert spec.producer and spec.dq_kernel == (head_dim == 256)
                     assert spec in listed, (manifest, spec.name)

@@ -77,33 +77,23 @@ def test_both_prefill_rungs_match_reference(case, wgmma, monkeypatch):
 
 
 # ---------------------------------------------------------------- the two prefill schedules
-# Calls take the persistent kernel at D64 / D128 (VarlenSpec.takes_persistent: a CTA per SM walks
+# Calls take the persistent kernel at D64 / D128 (VarlenSpec.for_call: a CTA per SM walks
 # the row blocks); the other schedule (a CTA per row block) must give the same bits.
 PERSISTENT = [(d, t, w, p) for d, t, w, p in SKEWED if d in PERSISTENT_FORWARD_HEAD_DIMS]
 
 
-def _schedule_calls(monkeypatch, persistent: bool):
-    """From here on the wgmma prefill calls with the TMA producer at PERSISTENT_FORWARD_HEAD_DIMS
-    run VarlenSpec(..., persistent=persistent)."""
-    import dataclasses
+def _scheduled(head_dim: int, persistent: bool):
+    """Within the block the wgmma prefill calls with the TMA producer at `head_dim` run
+    VarlenSpec(..., persistent=persistent) (the public override of the call rule)."""
+    from jitattn.varlen.plan import override_spec
 
-    import jitattn.varlen.forward as forward_module
-
-    made = forward_module.call_spec
-
-    def scheduled_spec(*args, **kwargs):
-        spec = made(*args, **kwargs)
-        if spec.wgmma and spec.tma and not spec.decode and spec.head_dim in PERSISTENT_FORWARD_HEAD_DIMS:
-            return dataclasses.replace(spec, persistent=persistent)
-        return spec
-
-    monkeypatch.setattr(forward_module, "call_spec", scheduled_spec)
-    monkeypatch.setattr(forward_module, "_kernels", {})
+    return override_spec("varlen", when={"wgmma": True, "tma": True, "decode": False, "head_dim": head_dim},
+                         persistent=persistent)
 
 
 @pytest.mark.parametrize("case", range(len(PERSISTENT)),
                          ids=[f"d{d}-{str(t)[6:]}-w{w[0]}_{w[1]}-{'paged' if p else 'packed'}" for d, t, w, p in PERSISTENT])
-def test_persistent_prefill_matches_reference_and_the_other_schedule_bitwise(case, monkeypatch):
+def test_persistent_prefill_matches_reference_and_the_other_schedule_bitwise(case):
     """The persistent kernel (a CTA per SM walking the row blocks, VarlenSpec.persistent) on the
     skewed batches of every window, GQA, splits, lse, paged and packed: the float64 reference,
     the same bits as the kernel a CTA per row block (each row block's arithmetic is a CTA's),
@@ -115,10 +105,10 @@ def test_persistent_prefill_matches_reference_and_the_other_schedule_bitwise(cas
     len_q, len_k = skewed_lengths(rng)
     b = make_batch(len_q, len_k, h_q, h_kv, head_dim, dtype, seed=900 + case, paged=paged,
                    page_size=rng.choice([1, 16, 256]), slack=rng.randint(0, 40), use_seqused=rng.random() < 0.3)
-    _schedule_calls(monkeypatch, persistent=False)
-    per_block = run(b, window=window, num_splits=num_splits, want_lse=True)
-    _schedule_calls(monkeypatch, persistent=True)
-    out, lse = run(b, window=window, num_splits=num_splits, want_lse=True)
+    with _scheduled(head_dim, persistent=False):
+        per_block = run(b, window=window, num_splits=num_splits, want_lse=True)
+    with _scheduled(head_dim, persistent=True):
+        out, lse = run(b, window=window, num_splits=num_splits, want_lse=True)
     check(b, out, lse, reference(b, window), f"persistent window={window} splits={num_splits}")
     assert torch.equal(out, per_block[0]) and torch.equal(lse, per_block[1]), "the two schedules differ"
     again = run(b, window=window, num_splits=num_splits, want_lse=True)
@@ -209,28 +199,24 @@ def test_decode_batch_matches_reference(case):
 
 # Decode tiles other than the default (each warp takes 16 keys of a tile: block_n / 16 warps),
 # as tools/bench_varlen.py --decode-tiles times them; cache/gpu-tests.toml holds them. The
-# fifth field: K/V by TMA (sm_90 only; off by default, VarlenSpec.takes_tma) or cp.async.
+# fifth field: K/V by TMA (sm_90 only; off by default, spec.DECODE_TMA) or cp.async.
 DECODE_TILES = [(1, 1, 32, 3, False), (1, 1, 32, 6, False), (1, 1, 48, 4, False), (1, 1, 64, 3, False),
                 (1, 1, 128, 3, False), (1, 1, 32, 3, True), (1, 1, 32, 6, True), (1, 1, 64, 3, True)]
 
 
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("tile", DECODE_TILES, ids=[f"n{t[2]}s{t[3]}{'tma' if t[4] else ''}" for t in DECODE_TILES])
-def test_decode_tile_shapes_match_reference(tile, paged, monkeypatch):
-    from jitattn.jit.loader import get_module
-    from jitattn.kernel import OpKernel
-    from jitattn.varlen import forward
-    from jitattn.varlen.spec import VarlenSpec
+def test_decode_tile_shapes_match_reference(tile, paged):
+    from jitattn.varlen.plan import override_spec
 
-    spec = VarlenSpec(128, "bfloat16", paged, True, *tile[:4], tma=tile[4])
-    monkeypatch.setitem(forward._kernels, forward.kernel_key(128, BF16, paged, True, False, False),
-                        (OpKernel(get_module(spec)), spec.block_m, spec.block_n))
+    tile_fields = dict(zip(("warps_m", "m_tiles", "block_n", "stages", "tma"), tile))
     rng = random.Random(7 + tile[2])
     len_k = [rng.choice([1, 33, rng.randint(2, 600), rng.randint(600, 5000)]) for _ in range(12)] + [0, 9000]
     b = make_batch([1] * len(len_k), len_k, 32, 8, 128, BF16, seed=7 + tile[2], paged=paged, page_size=16,
                    slack=5, use_seqused=paged)
     for window, num_splits in [((-1, -1), None), ((-1, 0), 2), ((255, 0), 3)]:
-        out, lse = run(b, window=window, num_splits=num_splits, want_lse=True)
+        with override_spec("varlen", when={"decode": True}, **tile_fields):
+            out, lse = run(b, window=window, num_splits=num_splits, want_lse=True)
         check(b, out, lse, reference(b, window), f"decode tile {tile} window={window} splits={num_splits}")
 
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import jitattn.varlen.forward as varlen
+from jitattn.kernel import fresh_memos
 from jitattn.varlen import plan
-from jitattn.varlen.checks import AuxRequest
+from jitattn.varlen.checks import AuxRequest, varlen_call
 from jitattn import checks as _checks
-from jitattn.varlen.spec import VarlenSpec
+from jitattn.varlen.spec import VarlenBackwardSpec, VarlenSpec
 
 SMS, CTAS_PER_SM = 132, 2
 HALF_WAVE = SMS * CTAS_PER_SM // 2
@@ -33,20 +34,28 @@ def launches(monkeypatch):
         return types.SimpleNamespace(ops=ops)
 
     monkeypatch.setattr(varlen, "get_module", fake_get_module)
-    monkeypatch.setattr(varlen, "_kernels", {})
     monkeypatch.setattr(_checks, "cuda_device", lambda named: torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda index: types.SimpleNamespace(multi_processor_count=SMS))
-    monkeypatch.setattr(plan, "_hopper", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))  # an A100
     monkeypatch.delenv("JITATTN_DEBUG", raising=False)
     monkeypatch.delenv("JITATTN_WGMMA", raising=False)
-    return recorded
+    monkeypatch.delenv("JITATTN_SPEC_OVERRIDES", raising=False)
+    with fresh_memos():  # the kernel memo and the device's arch are looked up again
+        yield recorded
 
 
 def on_hopper(monkeypatch):
-    monkeypatch.setattr(plan, "_hopper", {})
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(varlen, "is_hopper", lambda device: True)
+
+
+def forward(**kwargs):
+    """jitattn.varlen.forward.forward on a call checked from varlen_attn's arguments."""
+    return varlen.forward(varlen_call(**kwargs))
+
+
+def hopper_prefill(head_dim, paged, soft_cap) -> VarlenSpec:
+    return VarlenSpec.for_call(head_dim, "bfloat16", paged, soft_cap, False, False, True, True)
 
 
 def batch(len_q, len_k, h_q=32, h_kv=8, d=128, dtype=torch.bfloat16):
@@ -60,7 +69,7 @@ def batch(len_q, len_k, h_q=32, h_kv=8, d=128, dtype=torch.bfloat16):
 def launch(launches, **kwargs):
     defaults = dict(scale=None, window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None,
                     num_splits=None, return_aux=None)
-    varlen.forward(**{**defaults, **kwargs})
+    forward(**{**defaults, **kwargs})
     spec, args = launches[-1]
     names = ("q", "k", "v", "cu_q", "cu_k", "used", "table", "out", "bad_page", "pack", "m_blocks", "splits",
              "split_min_tiles", "left", "right", "scale_log2", "softcap", "want_lse")
@@ -174,12 +183,12 @@ def test_a_soft_cap_takes_the_capped_specialization_and_reaches_the_kernel(launc
 def test_an_out_the_kernel_cannot_write_in_place_gets_the_result_copied_in(launches):
     args = batch([3, 5], [10, 10], h_q=8, h_kv=8)
     aligned = torch.full((8, 8, 128), float("nan"), dtype=torch.bfloat16)
-    result, _ = varlen.forward(**args, scale=None, window_size=(-1, -1), seqused_k=None, block_table=None,
+    result, _ = forward(**args, scale=None, window_size=(-1, -1), seqused_k=None, block_table=None,
                                num_splits=None, return_aux=None, out=aligned)
     assert result is aligned and launches[-1][1][7] is aligned  # written in place
     backing = torch.full((8, 8, 129), float("nan"), dtype=torch.bfloat16)
     strided = backing[:, :, 1:]  # rows start 2 bytes into 16-byte vectors
-    result, _ = varlen.forward(**args, scale=None, window_size=(-1, -1), seqused_k=None, block_table=None,
+    result, _ = forward(**args, scale=None, window_size=(-1, -1), seqused_k=None, block_table=None,
                                num_splits=None, return_aux=None, out=strided)
     assert result is strided and launches[-1][1][7] is None  # the kernel allocated; copied into out
 
@@ -201,9 +210,8 @@ def test_hopper_prefill_takes_the_wgmma_rung(launches, monkeypatch):
     on_hopper(monkeypatch)
     for d in (64, 128, 256):
         spec, run = launch(launches, **batch([4096] * 2, [4096] * 2, h_q=16, h_kv=16, d=d), window_size=(-1, 0))
-        assert spec == VarlenSpec(d, "bfloat16", paged=False, decode=False, wgmma=True,
-                                  tma=VarlenSpec.takes_tma(d, False, False, True), split_kv=d == 256,
-                                  persistent=d != 256)
+        assert spec == VarlenSpec(d, "bfloat16", paged=False, decode=False, wgmma=True, tma=True,
+                                  split_kv=d == 256, persistent=d != 256)
         assert spec.tma  # packed keys by TMA where it measured faster: D64 / D128, D256 with split_kv
         assert spec.persistent is (d in (64, 128))  # a CTA per SM walks the row blocks there
         assert (spec.block_m, spec.block_n, spec.stages) == {64: (192, 128, 4), 128: (128, 128, 3), 256: (128, 80, 2)}[d]
@@ -214,11 +222,11 @@ def test_hopper_prefill_calls_take_the_persistent_kernel_at_d64_and_d128_packed_
     for head_dim in (64, 128, 256):
         for paged in (False, True):
             for cap in (False, True):
-                spec = varlen.call_spec(head_dim, "bfloat16", paged, False, True, cap)
+                spec = hopper_prefill(head_dim, paged, cap)
                 assert spec.persistent is (head_dim != 256), spec.name
     # never on the decode tile or the mma.sync rung
-    assert not varlen.call_spec(128, "bfloat16", True, True, False, False).persistent
-    assert not varlen.call_spec(128, "bfloat16", False, False, False, False).persistent
+    assert not VarlenSpec.for_call(128, "bfloat16", True, False, True, False, True, True).persistent
+    assert not VarlenSpec.for_call(128, "bfloat16", False, False, False, False, False, True).persistent
 
 
 def test_wgmma_rung_only_where_it_applies(launches, monkeypatch):
@@ -244,13 +252,135 @@ def _listed_call_specs(manifest: str) -> set:
 ])
 def test_manifests_list_the_prefill_kernels_hopper_calls_run(manifest, head_dims, capped):
     """A manifest that lists a spec no call runs (a stale tile, copy or barrier choice) leaves
-    production's JIT-disabled calls without a kernel: each lists call_spec's for its shapes."""
+    production's JIT-disabled calls without a kernel: each lists for_call's for its shapes."""
     listed = _listed_call_specs(manifest)
     paged_modes = (False,) if manifest == "default.toml" else (False, True)
     for d in head_dims:
         for dtype in ("float16", "bfloat16"):
             for paged in paged_modes:
                 for cap in capped:
-                    spec = varlen.call_spec(d, dtype, paged, False, True, cap)
+                    spec = VarlenSpec.for_call(d, dtype, paged, cap, False, False, True, True)
                     assert spec in listed, (manifest, spec.name)
                     assert spec.split_kv == (d == 256) and spec.tma
+
+
+# ---------------------------------------------------------------- one rule: calls and prewarm agree
+HEAD_DIMS = range(32, 257, 16)
+ARCHS = {("9.0",): (True,), ("8.0",): (False,), ("8.0", "9.0"): (True, False)}  # targets -> the GPUs calls run on
+SHAPES = {"decode": (4, None), "one split": (4, 1), "prefill": (300, None)}  # max_q (x group 4), num_splits
+
+
+def call_of(d, dtype, paged, shape, softcap):
+    """A varlen_attn call (32 / 8 heads) of that head_dim, dtype, paging and shape."""
+    len_q, num_splits = SHAPES[shape]
+    args = batch([len_q, 1], [300, 40], d=d, dtype=dtype)
+    if paged:
+        pool = torch.zeros(8, 64, 8, d, dtype=dtype)
+        args.update(key=pool, value=pool.clone(), cu_seq_k=None, max_k=320,
+                    seqused_k=torch.tensor([300, 40], dtype=torch.int32),
+                    block_table=torch.arange(10, dtype=torch.int32).view(2, 5))
+    return dict(args, num_splits=num_splits, softcap=softcap)
+
+
+@pytest.mark.parametrize("archs", list(ARCHS), ids=lambda a: ";".join(a))
+def test_prewarm_lists_exactly_the_forward_specs_calls_run(launches, monkeypatch, archs):
+    """Every spec `prewarm_variants` lists is one a call on those targets runs, and every call's
+    spec is listed: both come from VarlenSpec.for_call (head dims 32..256, both dtypes, packed
+    and paged, decode / one-split / prefill shapes, soft cap or not)."""
+    from jitattn.jit.registry import spec_from_dict
+
+    for d in HEAD_DIMS:
+        for dtype, name in ((torch.float16, "float16"), (torch.bfloat16, "bfloat16")):
+            for cap in (False, True):
+                listed = [spec_from_dict({"family": "varlen", **v})
+                          for v in VarlenSpec.prewarm_variants({"head_dim": d, "dtype": name, "soft_cap": cap}, archs)]
+                ran = set()
+                for hopper in ARCHS[archs]:
+                    monkeypatch.setattr(varlen, "is_hopper", lambda device, hopper=hopper: hopper)
+                    for paged in (False, True):
+                        for shape in SHAPES:
+                            ran.add(launch(launches, **call_of(d, dtype, paged, shape, 30.0 if cap else None))[0])
+                assert len(listed) == len(set(listed)) and set(listed) == ran, (archs, d, name, cap)
+    assert any(s.wgmma for s in ran) == ("9.0" in archs)  # the grid reached both rungs where it should
+
+
+@pytest.mark.parametrize("archs", list(ARCHS), ids=lambda a: ";".join(a))
+def test_prewarm_lists_exactly_the_backward_specs_calls_run(monkeypatch, archs):
+    """The same for the backward (VarlenBackwardSpec.for_call), over deterministic mode too."""
+    from jitattn.jit.registry import spec_from_dict
+    from jitattn.varlen import backward_launch
+
+    planned = []
+
+    def fake_get_module(spec):
+        planned.append(spec)
+        return types.SimpleNamespace(ops=types.SimpleNamespace(run=types.SimpleNamespace(default=lambda *a: None)))
+
+    monkeypatch.setattr(backward_launch, "get_module", fake_get_module)
+    monkeypatch.delenv("JITATTN_WGMMA", raising=False)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    for d in HEAD_DIMS:
+        for dtype, name in ((torch.float16, "float16"), (torch.bfloat16, "bfloat16")):
+            for cap in (False, True):
+                listed = [spec_from_dict({"family": "varlen_backward", **v}) for v in
+                          VarlenBackwardSpec.prewarm_variants({"head_dim": d, "dtype": name, "soft_cap": cap}, archs)]
+                planned.clear()
+                with fresh_memos():
+                    for hopper in ARCHS[archs]:
+                        monkeypatch.setattr(backward_launch, "is_hopper", lambda device, hopper=hopper: hopper)
+                        for deterministic in (False, True):
+                            q = torch.zeros(3, 2, d, dtype=dtype)
+                            backward_launch.backward(q, None, q, q, q, q, torch.zeros(2, 3), cu, cu, max_q=3, max_k=3,
+                                                     deterministic=deterministic, softcap=30.0 if cap else None)
+                assert len(listed) == len(set(listed)) and set(listed) == set(planned), (archs, d, name, cap)
+
+
+# ---------------------------------------------------------------- the public override
+def test_an_override_forces_fields_and_the_rule_derives_the_rest(launches, monkeypatch):
+    on_hopper(monkeypatch)
+    prefill = batch([4096], [4096], h_q=16, h_kv=16, d=256)
+    assert launch(launches, **prefill)[0].split_kv  # D256 by TMA: split_kv, 80 keys x 2 stages
+    with plan.override_spec("varlen", tma=False):
+        spec = launch(launches, **prefill)[0]
+    assert spec == VarlenSpec(256, "bfloat16", wgmma=True) and (spec.block_n, spec.stages) == (48, 3)
+    assert launch(launches, **prefill)[0].split_kv  # the block ended: the rule's choice again
+
+
+def test_an_override_applies_only_where_its_when_matches(launches, monkeypatch):
+    on_hopper(monkeypatch)
+    with plan.override_spec("varlen", when={"decode": True}, block_n=64, stages=4):
+        decode = launch(launches, **batch([1] * 4, [4096] * 4))[0]
+        prefill = launch(launches, **batch([500], [500], d=64))[0]
+    assert (decode.block_n, decode.stages) == (64, 4) and decode.decode
+    assert prefill == VarlenSpec.for_call(64, "bfloat16", False, False, False, False, True, True)
+
+
+def test_the_knob_overrides_like_the_function_and_names_itself_in_errors(launches, monkeypatch):
+    on_hopper(monkeypatch)
+    monkeypatch.setenv("JITATTN_SPEC_OVERRIDES", "varlen:persistent=0@head_dim=128; varlen_backward:persistent=off")
+    assert not launch(launches, **batch([500], [500]))[0].persistent
+    assert launch(launches, **batch([500], [500], d=64))[0].persistent  # `when` left D64 alone
+    assert not VarlenBackwardSpec.for_call(128, "bfloat16", False, False, True).persistent
+    monkeypatch.setenv("JITATTN_SPEC_OVERRIDES", "varlen:block_n=7")
+    with pytest.raises(ValueError, match="JITATTN_SPEC_OVERRIDES.*block_n"):
+        launch(launches, **batch([1] * 4, [4096] * 4))
+    for bad, words in (("varlen:warp=1", "no field 'warp'"), ("varlen:tma=maybe", "takes a bool"),
+                       ("decode:tma=1", "family must be one of"), ("varlen tma=1", "is not family:field=value")):
+        monkeypatch.setenv("JITATTN_SPEC_OVERRIDES", bad)
+        with pytest.raises(ValueError, match=f"JITATTN_SPEC_OVERRIDES.*{words}"):
+            launch(launches, **batch([500], [500]))
+
+
+def test_override_spec_names_a_bad_field_when_entered():
+    with pytest.raises(ValueError, match=r"override_spec: varlen has no field 'tiles'"):
+        with plan.override_spec("varlen", tiles=3):
+            pass
+    with pytest.raises(ValueError, match="override_spec.*forces.*wgmma"):
+        with plan.override_spec("varlen", wgmma=True):
+            VarlenSpec.for_call(96, "bfloat16", False, False, False, False, True, True)
+
+
+def test_prewarm_follows_the_active_overrides():
+    with plan.override_spec("varlen_backward", persistent=False):
+        variants = VarlenBackwardSpec.prewarm_variants({"head_dim": 128, "dtype": "bfloat16"}, ("9.0",))
+    assert [v["persistent"] for v in variants] == [False]

@@ -17,7 +17,7 @@ import jitattn.varlen.forward as varlen_forward
 from jitattn import checks as _checks
 from jitattn.reference import varlen_attn_reference
 from jitattn.varlen import ops as varlen_ops
-from jitattn.varlen import plan
+from jitattn.kernel import fresh_memos
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 F16, I32 = torch.float16, torch.int32
@@ -52,13 +52,12 @@ def module(monkeypatch):
     ops = types.SimpleNamespace(run=types.SimpleNamespace(default=run),
                                 ctas_per_sm=types.SimpleNamespace(default=lambda device: 2))
     monkeypatch.setattr(varlen_forward, "get_module", lambda spec: types.SimpleNamespace(ops=ops))
-    monkeypatch.setattr(varlen_forward, "_kernels", {})
     monkeypatch.setattr(_checks, "cuda_device", lambda named: torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(multi_processor_count=132))
-    monkeypatch.setattr(plan, "_hopper", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
     monkeypatch.delenv("JITATTN_DEBUG", raising=False)
-    return calls
+    with fresh_memos():  # the kernel memo and the device's arch are looked up again
+        yield calls
 
 
 def batch(h_q=4, h_kv=2, d=64, seed=0, layout="packed"):

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from jitattn.kernel import fresh_memos
 from jitattn.varlen.checks import AuxRequest, VarlenArgs, check_varlen_args, check_varlen_values
 from tests.conftest import missing_names
 
@@ -370,8 +371,8 @@ def api(monkeypatch):
 
     monkeypatch.setattr(varlen, "get_module", forbidden)  # forward.py: `from jitattn.jit.loader import get_module`
     monkeypatch.setattr(loader, "get_module", forbidden)
-    monkeypatch.setattr(varlen, "_kernels", {})  # the per-call fast-path memo starts empty
-    return jitattn
+    with fresh_memos():  # the per-call fast-path memo starts empty
+        yield jitattn
 
 
 def public_call(jitattn, function, args):

@@ -313,37 +313,17 @@ def bench_decode(args):
 
 
 def _with_decode_tile(tile, head_dim):
-    """A context in which paged decode-shaped calls (bf16) run the decode tile `tile` =
-    (warps_m, m_tiles, block_n, stages[, tma]) instead of VarlenSpec.default_tile (a fifth
-    field: K/V by TMA (1) or cp.async (0), else the calls' default, VarlenSpec.takes_tma)."""
-    import contextlib
+    """A context in which decode-shaped calls (bf16, packed and paged) run the decode tile `tile`
+    = (warps_m, m_tiles, block_n, stages[, tma]) instead of VarlenSpec.default_tile (a fifth
+    field: K/V by TMA (1) or cp.async (0), else the calls' default): the public override."""
+    from jitattn.varlen.plan import override_spec
 
-    from jitattn.jit.loader import get_module
-    from jitattn.kernel import OpKernel
-    from jitattn.varlen import forward
-    from jitattn.varlen.spec import VarlenSpec
-
-    @contextlib.contextmanager
-    def ctx():
-        saved = {}
-        for paged in (True, False):
-            tma = bool(tile[4]) if len(tile) > 4 else forward._takes_tma(head_dim, paged, True, False)
-            spec = VarlenSpec(head_dim, "bfloat16", paged, True, *tile[:4], tma=tma)
-            key = forward.kernel_key(head_dim, BF16, paged, True, False, False)
-            saved[key] = forward._kernels.get(key)
-            forward._kernels[key] = (OpKernel(get_module(spec)), spec.block_m, spec.block_n)
-        try:
-            yield
-        finally:
-            for key, entry in saved.items():
-                forward._kernels.pop(key)
-                if entry is not None:
-                    forward._kernels[key] = entry
-
-    return ctx()
+    fields = dict(zip(("warps_m", "m_tiles", "block_n", "stages"), tile[:4]))
+    if len(tile) > 4:
+        fields["tma"] = bool(tile[4])
+    return override_spec("varlen", when={"decode": True, "head_dim": head_dim, "dtype": "bfloat16"}, **fields)
 
 
-# ---------------------------------------------------------------- (c) skewed batch
 def bench_skewed(args):
     lengths = [128 << i for i in range(8)]  # 128 .. 16384
     heads, head_dim = 16, 128
@@ -402,35 +382,30 @@ def _with_tile(tile):
     """A context in which jitattn's backward runs the tile `tile` = (block_n, block_m, warps_q)
     of the mma.sync rung, "mma" its default mma.sync tile, "other" the wgmma rung with the
     producer warpgroup where the default runs it without, and the other way round, or for None
-    its default (on sm_90: the wgmma rung at head_dim 64/128/256)."""
+    its default (on sm_90: the wgmma rung at head_dim 64/128/256). Public overrides of the rule."""
     import contextlib
 
-    from jitattn.varlen import backward_launch as launch
+    from jitattn.varlen.plan import override_spec
+
+    stack = contextlib.ExitStack()
+    if tile == "other":
+        for head_dim, producer in _producer_by_head_dim().items():
+            stack.enter_context(override_spec("varlen_backward", when={"head_dim": head_dim, "wgmma": True},
+                                              producer=not producer))
+    elif tile == "mma":
+        stack.enter_context(override_spec("varlen_backward", wgmma=False))
+    elif tile is not None:
+        stack.enter_context(override_spec("varlen_backward", wgmma=False,
+                                          **dict(zip(("block_n", "block_m", "warps_q"), tile))))
+    return stack
+
+
+def _producer_by_head_dim() -> dict[int, bool]:
+    """Whether a bf16 backward call on sm_90 runs the producer warpgroup, per wgmma head_dim (the
+    rule with the active overrides)."""
     from jitattn.varlen.spec import VarlenBackwardSpec
 
-    @contextlib.contextmanager
-    def ctx():
-        if tile is None:
-            yield
-            return
-        saved_plan, saved_allowed, saved_kernels = launch.plan, launch.wgmma_allowed, dict(launch._kernels)
-        saved_dims = launch.PRODUCER_HEAD_DIMS
-        if tile == "other":
-            launch.PRODUCER_HEAD_DIMS = WGMMA_BWD_DIMS - saved_dims
-        else:
-            launch.wgmma_allowed = lambda device: False
-        if tile not in ("mma", "other"):
-            launch.plan = lambda head_dim, dtype, wgmma=False, soft_cap=False, deterministic=False: VarlenBackwardSpec(
-                head_dim, "bfloat16", *tile, soft_cap=soft_cap)
-        launch._kernels.clear()
-        try:
-            yield
-        finally:
-            launch.plan, launch.wgmma_allowed, launch.PRODUCER_HEAD_DIMS = saved_plan, saved_allowed, saved_dims
-            launch._kernels.clear()
-            launch._kernels.update(saved_kernels)
-
-    return ctx()
+    return {d: VarlenBackwardSpec.for_call(d, "bfloat16", False, False, True).producer for d in sorted(WGMMA_BWD_DIMS)}
 
 
 def _deterministic(on: bool):
@@ -491,20 +466,32 @@ def _backward_rounds(entries, args):
 
 
 def bench_backward(args):
+    """--bwd-producer on / off: every wgmma backward with (without) the producer, by the public override."""
+    import contextlib
+
+    from jitattn.varlen.plan import override_spec
+
+    with (override_spec("varlen_backward", when={"wgmma": True}, producer=args.bwd_producer == "on")
+          if args.bwd_producer != "auto" else contextlib.nullcontext()):
+        _bench_backward(args)
+
+
+def _bench_backward(args):
     batch, seq = 8, 4096
     fn, params = torch_varlen()
     from jitattn.varlen import backward_launch as launch
+    from jitattn.varlen.spec import VarlenBackwardSpec
 
-    if args.bwd_producer != "auto":
-        launch.PRODUCER_HEAD_DIMS = WGMMA_BWD_DIMS if args.bwd_producer == "on" else frozenset()
     wgmma = launch.wgmma_allowed(torch.device("cuda"))
+    producer_dims = [d for d, producer in _producer_by_head_dim().items() if producer]
+    persistent_dims = [d for d in producer_dims if VarlenBackwardSpec.for_call(d, "bfloat16", False, False, True).persistent]
     variants = set(args.bwd_variants)
     tiles = [None] + [v for v in ("other", "mma") if v in variants]
     tiles += [tuple(int(x) for x in t.split(",")) for t in (args.bwd_tiles or [])]
     print("\n### backward: bf16, 8 x 4096 tokens; backward = (forward + backward) - forward; "
           f"backward FLOPs = 2.5x forward; default rung {'wgmma at D64/D128/D256' if wgmma else 'mma.sync'} "
-          f"(producer warpgroup at {sorted(launch.PRODUCER_HEAD_DIMS) or 'no head_dim'}, "
-          f"persistent at {sorted(launch.PERSISTENT_HEAD_DIMS) or 'no head_dim'})\n")
+          f"(producer warpgroup at {producer_dims or 'no head_dim'}, "
+          f"persistent at {persistent_dims or 'no head_dim'})\n")
     print(f"medians of {args.rounds} interleaved rounds (every row's calls timed once per round, in turn)\n")
     print("| D | heads | causal | jitattn us | jitattn TFLOP/s | deterministic TFLOP/s | torch varlen TFLOP/s "
           "| SDPA TFLOP/s | vs torch varlen | vs SDPA | deterministic cost | jitattn min-max over rounds |")
@@ -556,7 +543,7 @@ def bench_backward(args):
                   f"| {cost} | {spread(flops, per_round)} |", flush=True)
             for tile in rungs[1:] + (["softcap"] if "softcap" in results else []):
                 t = results[tile]
-                other = "wgmma with producer" if head_dim not in launch.PRODUCER_HEAD_DIMS else "wgmma without producer"
+                other = "wgmma with producer" if head_dim not in producer_dims else "wgmma without producer"
                 name = ({"mma": "mma.sync rung", "other": other, "softcap": f"softcap {args.softcap or 50.0:g}"}.get(tile)
                         or f"mma.sync n{tile[0]}m{tile[1]}q{tile[2]}")
                 print(f"|  | {name} | {causal} | {fmt(t)} | {fmt(tf(t))} | | | "

@@ -52,7 +52,7 @@ fi
 #   sweep: tools/bench_sweep.py --quick (forward / backward TFLOP/s against sequence length, decode TB/s
 #     against kv length, beside the peers) -> $OUT/sweep.json, which tools/plot_benchmarks.py draws
 #   persistent: the forward's other schedule at D64 / D128 / D256 (a CTA per row block where calls
-#     take the persistent kernel, VarlenSpec.takes_persistent, and the persistent one at D256) checked
+#     take the persistent kernel, VarlenSpec.for_call, and the persistent one at D256) checked
 #     against float64 and timed beside the default and SDPA, under a timeout (a deadlock must not hang the job)
 bench=${BENCH:-decode}
 wants() { [[ ",$bench," == *",$1,"* || ",$bench," == *",all,"* || ($1 == decode && $bench == 1) ]]; }

@@ -20,7 +20,7 @@ head dims go separated by ";" (FWD_SCHEDULE="d64:tma,persistent;d128:tma,persist
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -43,20 +43,29 @@ def parse(variant: str) -> tuple[int | None, dict]:
     return (int(head_dim[1:]) if head_dim else None), overrides
 
 
+_schedule = contextlib.ExitStack()  # the overrides use_schedule entered last
+
+
 def use_schedule(variant: str) -> None:
     """Every later varlen call runs the wgmma kernels with producer as `variant` says (parse);
-    several variants, each for its own head_dim, go separated by ";" ("d64:tma,persistent;d128:...")."""
-    from jitattn.varlen import forward, spec
+    several variants, each for its own head_dim, go separated by ";" ("d64:tma,persistent;d128:...").
+    Each is a public override (jitattn.varlen.plan.override_spec) of the call's spec that keeps
+    the call's tile unless the variant names tile fields."""
+    from jitattn.varlen.plan import override_spec
+    from jitattn.varlen.spec import VarlenSpec
 
-    forward._kernels.clear()
+    global _schedule
+    _schedule.close()
+    _schedule = contextlib.ExitStack()
     by_head_dim = dict(parse(v) for v in variant.split(";"))
-
-    def make(*args, **kwargs):
-        made = spec.VarlenSpec(*args, **kwargs)
-        overrides = by_head_dim.get(made.head_dim, by_head_dim.get(None))
-        return dataclasses.replace(made, **overrides) if made.has_producer and overrides else made
-
-    forward.VarlenSpec = make if any(by_head_dim.values()) else spec.VarlenSpec
+    for head_dim in (64, 128, 192, 256):
+        fields = by_head_dim.get(head_dim, by_head_dim.get(None))
+        call = VarlenSpec.for_call(head_dim, "bfloat16", False, False, False, False, True, True)  # packed prefill, sm_90
+        if not fields or not call.has_producer:
+            continue
+        tile = {name: getattr(call, name) for name in ("warps_m", "m_tiles", "block_n", "stages")}
+        _schedule.enter_context(override_spec("varlen", when={"head_dim": head_dim, "wgmma": True, "decode": False},
+                                              **{**tile, **fields}))
 
 
 def pytest_configure(config):

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jitattn  # noqa: E402
 import jitattn.decode.api as decode  # noqa: E402
 from jitattn.decode import plan  # noqa: E402
-from jitattn.kernel import LoadedKernel  # noqa: E402  (capacity, patched by the sweep)
+from jitattn.kernel import LoadedKernel, fresh_memos  # noqa: E402  (capacity, patched by the sweep)
 from bench_util import host_us_per_call, sets_needed, time_us  # noqa: E402
 
 SHAPES = [(32, 32, 4096), (32, 32, 32768), (32, 8, 1024), (32, 8, 4096), (32, 8, 32768)]
@@ -77,18 +77,17 @@ def sweep():
             for factor in (0.5, 1, 2):
                 plan.MIN_CHUNK_TILES = min_tiles
                 LoadedKernel.capacity = lambda self, dev, f=factor: int(original(self, dev) * f * 2)
-                decode._kernels.clear()  # the entries hold the wave from capacity()
-                us = time_us(lambda: jitattn.single_decode_with_kv_cache(q, k, v), reps=20)
-                # The split this call made, from the kernel entry it used (group tiles, budget).
-                key = (128, torch.float16, torch.float16, "NONE", False, num_qo // num_kv, False, q.get_device())
-                kernel, group_tiles, budget, full_wave = decode._kernels[key]
+                with fresh_memos():  # the entries hold the wave from capacity()
+                    us = time_us(lambda: jitattn.single_decode_with_kv_cache(q, k, v), reps=20)
+                    # The split this call made, from the kernel entry it used (group tiles, budget).
+                    key = (128, torch.float16, torch.float16, "NONE", False, num_qo // num_kv, False, q.get_device())
+                    kernel, group_tiles, budget, full_wave = decode._kernels[key]
                 if full_wave is not None:
                     budget = plan.split_budget(*full_wave, -(-kv_len // kernel.tile_rows) * num_kv * group_tiles)
                 chunks = plan.split(kv_len, num_kv * group_tiles, kernel.tile_rows, budget)[1]
                 print(f"| {num_qo}/{num_kv} L={kv_len} | {min_tiles} | {factor} | {chunks} | {us:.1f} |", flush=True)
     LoadedKernel.capacity = original
     plan.MIN_CHUNK_TILES = 2
-    decode._kernels.clear()
 
 
 def idle_sms():

@@ -9,9 +9,9 @@ VarlenSpec.default_tile.
 """
 import json, subprocess, sys, torch
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
-import jitattn, jitattn.varlen.forward as V
-from jitattn.kernel import OpKernel
-from jitattn.jit.loader import get_module
+import contextlib, dataclasses
+import jitattn
+from jitattn.varlen.plan import override_spec
 from jitattn.varlen.spec import VarlenSpec
 from torch.nn.attention import varlen as tv
 
@@ -48,10 +48,13 @@ def bench(fn, n=15):
     for _ in range(n):
         a=torch.cuda.Event(True); b=torch.cuda.Event(True); a.record(); fn(); b.record(); torch.cuda.synchronize(); es.append(a.elapsed_time(b))
     es.sort(); return es[len(es)//2]
-def use(spec):  # the kernel varlen_attn runs for this shape, whichever rung it would pick
-    entry = (OpKernel(get_module(spec)), spec.block_m, spec.block_n)
-    for wgmma in (False, True):
-        V._kernels[V.kernel_key(spec.head_dim, torch.bfloat16, spec.paged, spec.decode, wgmma, spec.soft_cap)] = entry
+_using = contextlib.ExitStack()
+def use(spec):  # the kernel varlen_attn runs for this shape, whichever rung it would pick (the public override)
+    global _using
+    _using.close(); _using = contextlib.ExitStack()
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
+              if f.name not in ("head_dim", "dtype", "paged", "soft_cap")}
+    _using.enter_context(override_spec("varlen", when={"head_dim": spec.head_dim, "paged": spec.paged}, **fields))
 for d, ts in PREFILL.items():
     h=2048//d; B=8; L=4096
     cq = torch.arange(0, (B + 1) * L, L, dtype=torch.int32, device="cuda")

@@ -17,6 +17,7 @@ from jitattn.decode.plan import full_wave_min_tiles, split, split_budget
 from jitattn.decode.spec import DecodeSpec
 from jitattn.jit import env
 from jitattn.jit.loader import get_module
+from jitattn.kernel import call_memo
 from jitattn.lazy_ops import trace_time_constant
 
 LOG2E = 1.4426950408889634
@@ -26,7 +27,7 @@ POS_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 _KV_DOC = "[kv_len, num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND)"
 # call shape and device -> (kernel, group tiles, half a wave of CTAs, None or (CTAs in a wave,
 # full_wave_min_tiles): see split_budget)
-_kernels: dict[tuple, tuple] = {}
+_kernels: dict[tuple, tuple] = call_memo()
 
 
 def single_decode_with_kv_cache(
@@ -150,14 +151,8 @@ def single_decode_with_kv_cache(
 
     q_factor = scale / cap if cap > 0 else scale * LOG2E
     # A split's partials are merged by a second kernel (merge_chunks, a programmatic dependent
-    # launch). Merging inside the launch instead, with each KV head's chunks as one thread-block
-    # cluster reading each other's shared memory, measured slower on the H200: clusters
-    # constrain where CTAs run (32/8 at 32k 50.1 vs 38.6 us, fp8 32/32 at 32k 86 vs 68) and saved
-    # under 0.5 us where they did not hurt. The last CTA of each KV head merging after a fence
-    # and an atomic count measured no faster than the dependent launch (stand-in kernels as in
-    # tools/event_floor.cu, 128 CTAs into 8 merges: 5.02 vs 5.06 us between events), and a merge
-    # with every chunk of a (head, column) in one thread's registers, max first, no shared memory,
-    # measured the same as merge_chunks (32/8 at 4k 11.2 vs 11.2 us; H200, same run).
+    # launch): merging in clusters, by the last CTA of a head, or in one thread's registers
+    # measured slower or no faster (notes/decode-h200.md, "The merge of a split's partials").
     # Outputs and the split's fp32 partials ([chunks, heads, D] o, then [chunks, heads] lse)
     # come from torch's allocator, on q's device and stream. No lse asked for: none written.
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -179,7 +174,8 @@ def single_decode_with_kv_cache(
 @trace_time_constant
 def ops_registered() -> bool:
     """Register `jitattn::single_decode_with_kv_cache` (import jitattn/decode/ops.py) on first
-    use: an eager call never uses it, and registering it cost a first call ~3 ms. Under
+    use: an eager call never uses it, and registering it costs a first call more than the call
+    (notes/host-time.md). Under
     torch.compile dynamo runs this at trace time (jitattn/lazy_ops.py), so the op exists
     before the call to it is traced."""
     from jitattn.decode import ops

@@ -71,17 +71,11 @@ class DecodeSpec(KernelSpec):
         """The specialization a call runs (single_decode_with_kv_cache and manifests' group_size
         both ask here).
 
-        Tensor cores when asked for, and also with use_tensor_cores=False where they measured
-        faster on the H200 (D128, cold L2):
-        - GQA groups of TENSOR_CORE_MIN_GROUP or more: the CUDA-core kernel is compute-bound
-          there (fp16 32/8 12.7 vs 13.9 us at 4k, 38.7 vs 45.2 at 32k; 32/4 24.6 vs 44.6 at
-          32k), and with fp8 K/V even more so (widened in registers on tensor cores: 32/8
-          26.4 vs 41.0 us at 32k, 76 vs 131 at 128k);
-        - RoPE at any group size with fp16/bf16 K/V: the tensor-core kernel rotates K fragments
-          in registers, where the CUDA-core one rotates every element on its own (32/32 at 32k
-          137 vs 141 us, 32/8 44 vs 61).
-        fp8 MHA stays on CUDA cores (32/32 at 32k: 68.8 vs 72.5 us). Never with a head_dim that
-        is not a multiple of 32: the CUDA-core kernel runs (same results)."""
+        Tensor cores when asked for, and also where they measured faster: GQA groups of
+        TENSOR_CORE_MIN_GROUP or more (the CUDA-core kernel is compute-bound there, fp8 K/V even
+        more so), and RoPE with 16-bit K/V (K rotated in registers); fp8 MHA stays on CUDA cores.
+        Never with a head_dim that is not a multiple of 32 (the CUDA-core kernel, same results).
+        Why: notes/decode-h200.md, "DecodeSpec.for_call"."""
         fp8 = dtype_kv.startswith("float8")
         tensor_cores = head_dim % 32 == 0 and (use_tensor_cores or group_size >= TENSOR_CORE_MIN_GROUP
                                                or (pos_encoding == "ROPE_LLAMA" and not fp8))

@@ -335,3 +335,40 @@ def _positive_float(name: str, default: float) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {raw!r}")
     return value
+
+
+# ---- JITATTN_SPEC_OVERRIDES: variants forced on top of the call rule (jitattn/varlen/overrides.py)
+_SPEC_OVERRIDES: dict[str | None, tuple] = {None: ()}  # the knob's text -> its parse
+
+
+def spec_overrides() -> tuple:
+    """JITATTN_SPEC_OVERRIDES parsed: ((family, when, fields), ...), `when` and `fields` tuples of
+    (field, text) pairs. Syntax: entries `family:field=value,...[@field=value,...]` separated by
+    ';' (the `@` part: only calls whose chosen spec has those values). Read on every call, parsed
+    once per distinct value; the spec family types and validates the values."""
+    raw = _get("JITATTN_SPEC_OVERRIDES")
+    parsed = _SPEC_OVERRIDES.get(raw)
+    if parsed is None:
+        parsed = _SPEC_OVERRIDES[raw] = _parse_spec_overrides(raw)
+    return parsed
+
+
+def _parse_spec_overrides(raw: str) -> tuple:
+    def pairs(text: str, entry: str) -> tuple:
+        out = []
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            name, sep, value = item.partition("=")
+            if not sep or not name.strip() or not value.strip():
+                raise ValueError(f"JITATTN_SPEC_OVERRIDES: {item!r} in {entry!r} is not field=value")
+            out.append((name.strip(), value.strip()))
+        return tuple(out)
+
+    entries = []
+    for entry in filter(None, (part.strip() for part in raw.split(";"))):
+        family, sep, rest = entry.partition(":")
+        fields, _, when = rest.partition("@")
+        if not sep or not family.strip() or not fields.strip():
+            raise ValueError(f"JITATTN_SPEC_OVERRIDES: {entry!r} is not family:field=value,...[@field=value,...] "
+                             "(e.g. 'varlen_backward:persistent=0')")
+        entries.append((family.strip(), pairs(when, entry), pairs(fields, entry)))
+    return tuple(entries)

@@ -1,8 +1,10 @@
 """The varlen kernel family: jitattn.varlen_attn / varlen_attn_out / AuxRequest (torch's API).
 
-api (the public functions), forward (validate -> plan -> module -> launch), spec (VarlenSpec),
-plan (tile shape, KV splits), checks (argument validation), ops (the torch.library custom ops)
-and backward (the autograd formula). The API is imported on first use, so finding the family's
+api (the public functions), checks (argument validation into a VarlenCall), spec (VarlenSpec,
+VarlenBackwardSpec and `for_call`, the one rule from a call to its kernel), overrides (the public
+override of that rule for benchmarks and tests), plan (device facts, KV splits), forward (spec ->
+module -> launch), ops (the torch.library custom ops), backward and backward_launch (the
+autograd formula and its kernels). The API is imported on first use, so finding the family's
 spec (jitattn.jit.registry) does not import torch.
 """
 

@@ -1,8 +1,8 @@
 """jitattn.varlen_attn / varlen_attn_out: a drop-in for torch.nn.attention.varlen.
 
-See shared/spec/varlen.md. The public functions; the work is `forward` (jitattn/varlen/forward.py:
-validate -> plan -> module -> launch), which the eager call and the registered custom ops
-(jitattn/varlen/ops.py) share.
+See shared/spec/varlen.md. The public functions: each checks its arguments once into a VarlenCall
+(jitattn/varlen/checks.py) for `forward` (jitattn/varlen/forward.py: spec -> module -> launch),
+which the eager call and the registered custom ops (jitattn/varlen/ops.py) share.
 
 Eager calls skip the torch.library dispatcher (its Python custom-op path costs more than the
 whole launch); under torch.compile the public functions call the registered ops instead, which
@@ -17,7 +17,7 @@ import contextlib
 import torch
 
 from jitattn.lazy_ops import trace_time_constant
-from jitattn.varlen.checks import AuxRequest, needs_grad
+from jitattn.varlen.checks import AuxRequest, needs_grad, varlen_call
 from jitattn.varlen.forward import forward
 
 __all__ = ["AuxRequest", "varlen_attn", "varlen_attn_out"]
@@ -79,10 +79,10 @@ def varlen_attn(
             query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, list(window_size), enable_gqa,
             seqused_k, block_table, num_splits, want_lse or grad, softcap)
     else:
-        out, lse = forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                           window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
-                           block_table=block_table, num_splits=num_splits, return_aux=return_aux,
-                           softcap=softcap)
+        out, lse = forward(varlen_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                                       window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
+                                       block_table=block_table, num_splits=num_splits, return_aux=return_aux,
+                                       softcap=softcap))
     return (out, lse) if want_lse else out
 
 
@@ -123,8 +123,8 @@ def varlen_attn_out(
         # no_grad: the kernel's writes are no autograd op anyway; the copy into an `out` the
         # kernel cannot write in place (and a leaf `out` that requires grad) must not be one either.
         with torch.no_grad() if needs_grad(out, query, key, value) else _NO_CONTEXT:
-            out, lse = forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                               window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
-                               block_table=block_table, num_splits=num_splits, return_aux=return_aux, out=out,
-                               softcap=softcap)
+            out, lse = forward(varlen_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                                           window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
+                                           block_table=block_table, num_splits=num_splits, out=out,
+                                           return_aux=return_aux, softcap=softcap))
     return (out, lse) if want_lse else out

@@ -7,7 +7,7 @@ Workspace (allocated by the binding): the fp32 dQ accumulator plus lse and delta
 (T_q * H_q) * (D + 2) * 4 bytes, and in deterministic mode H_kv * (T_q * H_q / H_kv / 64 + N + 1)
 ints; outputs dq, dk, dv in the inputs' dtype, every row written by the kernels (the preprocess
 zeroes the key rows outside every sequence or past seqused_k: no zero fill first). With dq_kernel
-(D256 on sm_90: DQ_KERNEL_HEAD_DIMS) the kernels are preprocess, the dK / dV kernel and the dQ
+(D256 on sm_90: spec.DQ_KERNEL_HEAD_DIMS) the kernels are preprocess, the dK / dV kernel and the dQ
 kernel, which writes dq in q's dtype:
 the workspace is lse and delta only, (T_q * H_q) * 2 * 4 bytes, no counters in either mode.
 """
@@ -21,64 +21,22 @@ from torch import Tensor
 from jitattn import checks as check
 from jitattn.jit import env
 from jitattn.jit.loader import get_module
-from jitattn.varlen import spec as _spec
+from jitattn.kernel import call_memo
+from jitattn.varlen import overrides
+from jitattn.varlen.checks import AuxRequest, varlen_call
+from jitattn.varlen.plan import is_hopper
 from jitattn.varlen.spec import VarlenBackwardSpec
 
 LOG2E = 1.4426950408889634
 WINDOW_CLAMP = 1 << 30  # a window wider than any sequence: the kernels' 32-bit mask arithmetic stays in range
 
-# Head dims whose wgmma backward has the producer warpgroup (VarlenBackwardSpec.producer): TMA
-# copies of Q / dO and (D64 / D128) a bulk reduce-add of dQ. Measured on the H200 (bf16 8 x 4k,
-# full / causal TFLOP/s): D64 388 / 332 against 209 / 190 without, D128 431 / 370 against 262 / 236
-# (notes/backward-h200.md); D256 (Q / dO by TMA, dQ by the compute warps' atomics, whole 128-byte
-# lines an instruction) 259 / 240, against 114 / 114 on the mma.sync rung (notes/backward-d256.md).
-PRODUCER_HEAD_DIMS: frozenset[int] = frozenset({64, 128, 256})
-# Head dims whose backward (wgmma, producer) takes dQ out of the main kernel into its own
-# query-major kernel (VarlenBackwardSpec.dq_kernel; the spec module's list, read at plan time so
-# tests and benchmarks can turn it off here). H200, bf16 8 x 4k, 16 heads, causal / full: 353 /
-# 391 TFLOP/s against 240 / 265 for dQ by atomics in the main kernel (notes/backward-d256.md).
-DQ_KERNEL_HEAD_DIMS: frozenset[int] = _spec.DQ_KERNEL_HEAD_DIMS
-# Head dims whose producer backward runs one CTA per SM over many key tiles (persistent: D128,
-# outside deterministic mode, which takes a CTA per key tile: the persistent code measured
-# 1.08-1.14x slower there; the spec module's list, read at plan time so tests and benchmarks can
-# turn it off here).
-PERSISTENT_HEAD_DIMS: frozenset[int] = _spec.PERSISTENT_HEAD_DIMS
-
-_kernels: dict[tuple, tuple[object, VarlenBackwardSpec]] = {}  # (head_dim, dtype, wgmma, cap, deterministic) -> (run op, spec)
-_hopper: dict[int | None, bool] = {}  # device index -> sm_90
+# (the call facts VarlenBackwardSpec.for_call reads, the override state) -> (run op, spec)
+_kernels: dict[tuple, tuple[object, VarlenBackwardSpec]] = call_memo()
 
 
 def wgmma_allowed(device: torch.device) -> bool:
-    """The Hopper rung runs on sm_90 unless JITATTN_WGMMA=0 (as for the forward)."""
-    if device.type != "cuda":
-        return False
-    hopper = _hopper.get(device.index)
-    if hopper is None:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        hopper = _hopper[device.index] = torch.cuda.get_device_capability(index) == (9, 0)
-    return hopper and env.wgmma_enabled()
-
-
-def plan(head_dim: int, dtype: torch.dtype, wgmma: bool = False, soft_cap: bool = False,
-         deterministic: bool = False) -> VarlenBackwardSpec:
-    """The specialization a backward runs: the Hopper rung where it covers the head_dim and
-    `wgmma` allows it (with a producer warpgroup at PRODUCER_HEAD_DIMS, persistent at
-    PERSISTENT_HEAD_DIMS unless deterministic), else mma.sync; the tuned tile of the head_dim;
-    the soft cap's variant when the forward had one."""
-    wgmma = wgmma and VarlenBackwardSpec.wgmma_fits(head_dim)
-    producer = wgmma and head_dim in PRODUCER_HEAD_DIMS
-    return VarlenBackwardSpec(head_dim, check.DTYPE_NAMES[dtype], wgmma=wgmma, producer=producer, soft_cap=soft_cap,
-                              dq_kernel=producer and head_dim in DQ_KERNEL_HEAD_DIMS,
-                              persistent=producer and head_dim in PERSISTENT_HEAD_DIMS and not deterministic)
-
-
-def _kernel(head_dim: int, dtype: torch.dtype, wgmma: bool, soft_cap: bool, deterministic: bool):
-    key = (head_dim, dtype, wgmma, soft_cap, deterministic)
-    entry = _kernels.get(key)
-    if entry is None:
-        spec = plan(head_dim, dtype, wgmma, soft_cap, deterministic)
-        entry = _kernels[key] = (get_module(spec).ops.run.default, spec)
-    return entry
+    """The Hopper rung may run: sm_90, unless JITATTN_WGMMA=0 (as for the forward)."""
+    return is_hopper(device) and env.wgmma_enabled()
 
 
 def num_key_blocks(max_k: int, block_n: int) -> int:
@@ -115,7 +73,16 @@ def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tens
                            softcap)
     if grad_lse is not None and grad_lse.shape[0] != heads_q:
         grad_lse = None
-    run, spec = _kernel(head_dim, query.dtype, wgmma_allowed(query.device), softcap > 0, bool(deterministic))
+    hopper = is_hopper(query.device)
+    # for_call's arguments in its order (head_dim, dtype, soft cap, deterministic, sm_90,
+    # JITATTN_WGMMA there), then the override state
+    facts = (head_dim, query.dtype, softcap > 0, bool(deterministic), hopper, hopper and env.wgmma_enabled(),
+             overrides.state())
+    entry = _kernels.get(facts)
+    if entry is None:
+        spec = VarlenBackwardSpec.for_call(head_dim, check.DTYPE_NAMES[query.dtype], *facts[2:6])
+        entry = _kernels[facts] = (get_module(spec).ops.run.default, spec)
+    run, spec = entry
 
     # The kernels write every row of dq, dk and dv (the preprocess zeroes the key rows no CTA
     # reaches: outside every sequence, past seqused_k); with no queries nothing runs.
@@ -147,10 +114,9 @@ def _forward_lse(query, key, value, cu_seq_q, cu_seq_k, seqused_k, max_q, max_k,
     """The lse of a forward called without it (a direct call of jitattn::varlen_attn with
     return_lse=False): computed again by the forward kernels."""
     import jitattn.varlen.forward as forward_module  # the module, so tests can stand in for its forward
-    from jitattn.varlen.checks import AuxRequest
 
-    _, lse = forward_module.forward(query.detach(), key.detach(), value.detach(), cu_seq_q, cu_seq_k, max_q, max_k,
-                            scale=scale, window_size=window, enable_gqa=query.shape[1] != key.shape[1],
-                            seqused_k=seqused_k, block_table=None, num_splits=1, return_aux=AuxRequest(lse=True),
-                            softcap=softcap)
+    _, lse = forward_module.forward(varlen_call(
+        query.detach(), key.detach(), value.detach(), cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+        window_size=window, enable_gqa=query.shape[1] != key.shape[1], seqused_k=seqused_k, num_splits=1,
+        return_aux=AuxRequest(lse=True), softcap=softcap))
     return lse

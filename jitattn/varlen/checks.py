@@ -2,7 +2,8 @@
 
 check_varlen_args checks types, ranks, dtypes, shapes and scalar arguments, each error naming the
 argument; the CUDA-device check comes last, so everything else is testable with CPU tensors. It
-reads no tensor values (that would sync with the GPU). check_varlen_values checks the values
+reads no tensor values (that would sync with the GPU). `varlen_call` runs the same checks and
+returns the VarlenCall that planning and launch take. check_varlen_values checks the values
 (monotonic cu_seq, seqused_k within its slot, page ids in range) for use under JITATTN_DEBUG=1.
 """
 from __future__ import annotations
@@ -29,8 +30,8 @@ class AuxRequest(NamedTuple):
 
 
 class VarlenArgs(NamedTuple):
-    """What check_varlen_args derived from a valid call. (A NamedTuple: a frozen dataclass cost
-    the first call ~1 ms to create.)"""
+    """What check_varlen_args derived from a valid call. (A NamedTuple: a frozen dataclass made
+    the first call slower, notes/host-time.md.)"""
 
     num_seqs: int
     total_q: int
@@ -46,6 +47,51 @@ class VarlenArgs(NamedTuple):
     return_lse: bool
     device: torch.device
     softcap: float  # 0.0: no soft cap
+
+
+class VarlenCall(NamedTuple):
+    """A checked varlen_attn call: its tensors and sizes as given, then what the checks derived
+    (VarlenArgs' fields, in its order). Built once where a call enters (the API, the ops) by
+    `varlen_call`, read by the forward's planning and launch, so nothing below spells the
+    argument list again."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    cu_seq_q: torch.Tensor
+    cu_seq_k: torch.Tensor | None
+    max_q: int
+    max_k: int
+    seqused_k: torch.Tensor | None
+    block_table: torch.Tensor | None
+    out: torch.Tensor | None
+    num_seqs: int
+    total_q: int
+    num_heads_q: int
+    num_heads_kv: int
+    head_dim: int
+    scale: float
+    window_left: int
+    window_right: int
+    paged: bool
+    page_size: int
+    num_splits: int | None
+    return_lse: bool
+    device: torch.device
+    softcap: float
+
+    @property
+    def args(self) -> VarlenArgs:
+        """What the checks derived, on its own."""
+        return _tuple_new(VarlenArgs, self[_INPUTS:])
+
+
+_INPUTS = 10  # VarlenCall's fields before VarlenArgs' own
+
+
+# A VarlenCall is made on every call: tuple.__new__ directly, as a NamedTuple's own __new__ is a
+# Python function with a call's cost (notes/host-time.md, "NamedTuple construction").
+_tuple_new = tuple.__new__
 
 
 def needs_grad(*tensors) -> bool:
@@ -95,7 +141,16 @@ def _window(value) -> tuple[int, int]:
             check.integer("window_size[1] (right)", value[1], -1))
 
 
-def check_varlen_args(
+def check_varlen_args(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa,
+                      seqused_k, block_table, num_splits, out=None, return_aux=None, softcap=None) -> VarlenArgs:
+    """Raise TypeError/ValueError naming the first bad argument; return the derived VarlenArgs
+    (varlen_call's checks)."""
+    return varlen_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
+                       enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=num_splits,
+                       out=out, return_aux=return_aux, softcap=softcap).args
+
+
+def varlen_call(
     query,
     key,
     value,
@@ -104,17 +159,18 @@ def check_varlen_args(
     max_q,
     max_k,
     *,
-    scale,
-    window_size,
-    enable_gqa,
-    seqused_k,
-    block_table,
-    num_splits,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+    seqused_k=None,
+    block_table=None,
+    num_splits=None,
     out=None,
     return_aux=None,
     softcap=None,
-) -> VarlenArgs:
-    """Raise TypeError/ValueError naming the first bad argument; return the derived VarlenArgs.
+) -> VarlenCall:
+    """The checked call (varlen_attn's defaults): raise TypeError/ValueError naming the first
+    bad argument.
 
     cu_seq_k may be None only with block_table (keys then come from the page pool and their
     counts from seqused_k), as torch's signature allows."""
@@ -226,8 +282,9 @@ def check_varlen_args(
     named = {"query": query, "key": key, "value": value, "cu_seq_q": cu_seq_q, "cu_seq_k": cu_seq_k,
              "seqused_k": seqused_k, "block_table": block_table, "out": out}
     device = check.cuda_device({name: t for name, t in named.items() if t is not None})
-    return VarlenArgs(num_seqs, total_q, num_heads_q, num_heads_kv, head_dim, scale, left, right, paged,
-                      page_size, num_splits, return_lse, device, softcap)
+    return _tuple_new(VarlenCall, (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table, out,
+                                   num_seqs, total_q, num_heads_q, num_heads_kv, head_dim, scale, left, right,
+                                   paged, page_size, num_splits, return_lse, device, softcap))
 
 
 def check_varlen_values(

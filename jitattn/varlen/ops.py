@@ -2,7 +2,7 @@
 
 torch.compile sees `jitattn::varlen_attn` and `jitattn::varlen_attn_out` (mutates `out`), defined
 here (`jitattn::single_decode_with_kv_cache` is defined in jitattn/decode/api.py, so a decode-only
-process does not pay for importing the varlen side: ~20 ms), as opaque ops whose output shapes
+process does not pay for importing the varlen side: notes/host-time.md), as opaque ops whose output shapes
 come from their fake kernels, so compiled graphs have no break; the real kernels allocate through
 torch's caching allocator on the current stream and never sync, so CUDA graphs capture them. The
 public functions call these ops only while compiling or recording grad; eager calls go straight
@@ -22,12 +22,17 @@ import torch
 from torch import Tensor
 
 from jitattn.varlen import backward as _backward
-from jitattn.varlen.checks import AuxRequest, check_varlen_args
+from jitattn.varlen.checks import AuxRequest, VarlenCall, varlen_call
 from jitattn.varlen.forward import forward
 
 
-def _aux(return_lse: bool) -> AuxRequest | None:
-    return AuxRequest(lse=True) if return_lse else None
+def _call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa, seqused_k,
+          block_table, num_splits, return_lse, softcap, out=None) -> VarlenCall:
+    """The checked call of an op's arguments (the schema's order; return_lse for return_aux)."""
+    return varlen_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                       window_size=tuple(window_size), enable_gqa=enable_gqa, seqused_k=seqused_k,
+                       block_table=block_table, num_splits=num_splits, out=out,
+                       return_aux=AuxRequest(lse=True) if return_lse else None, softcap=softcap)
 
 
 @torch.library.custom_op("jitattn::varlen_attn", mutates_args=())
@@ -35,20 +40,15 @@ def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_
                 max_q: int, max_k: int, scale: float | None, window_size: list[int], enable_gqa: bool,
                 seqused_k: Tensor | None, block_table: Tensor | None, num_splits: int | None,
                 return_lse: bool, softcap: float | None = None) -> tuple[Tensor, Tensor]:
-    out, lse = forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                       window_size=tuple(window_size), enable_gqa=enable_gqa, seqused_k=seqused_k,
-                       block_table=block_table, num_splits=num_splits, return_aux=_aux(return_lse),
-                       softcap=softcap)
-    return out, lse
+    return forward(_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa,
+                         seqused_k, block_table, num_splits, return_lse, softcap))
 
 
 @varlen_attn.register_fake
 def _varlen_attn_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa,
                       seqused_k, block_table, num_splits, return_lse, softcap=None):
-    check_varlen_args(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                      window_size=tuple(window_size), enable_gqa=enable_gqa, seqused_k=seqused_k,
-                      block_table=block_table, num_splits=num_splits, return_aux=_aux(return_lse),
-                      softcap=softcap)
+    _call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa, seqused_k,
+          block_table, num_splits, return_lse, softcap)
     return torch.empty_like(query), _lse_like(query, return_lse)  # the query's layout, as eager's
 
 
@@ -61,20 +61,16 @@ def varlen_attn_out(out: Tensor, query: Tensor, key: Tensor, value: Tensor, cu_s
                     cu_seq_k: Tensor | None, max_q: int, max_k: int, scale: float | None, window_size: list[int],
                     enable_gqa: bool, seqused_k: Tensor | None, block_table: Tensor | None,
                     num_splits: int | None, return_lse: bool, softcap: float | None = None) -> Tensor:
-    _, lse = forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                     window_size=tuple(window_size), enable_gqa=enable_gqa, seqused_k=seqused_k,
-                     block_table=block_table, num_splits=num_splits, return_aux=_aux(return_lse), out=out,
-                     softcap=softcap)
+    _, lse = forward(_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa,
+                           seqused_k, block_table, num_splits, return_lse, softcap, out))
     return lse
 
 
 @varlen_attn_out.register_fake
 def _varlen_attn_out_fake(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size,
                           enable_gqa, seqused_k, block_table, num_splits, return_lse, softcap=None):
-    check_varlen_args(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                      window_size=tuple(window_size), enable_gqa=enable_gqa, seqused_k=seqused_k,
-                      block_table=block_table, num_splits=num_splits, out=out, return_aux=_aux(return_lse),
-                      softcap=softcap)
+    _call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa, seqused_k,
+          block_table, num_splits, return_lse, softcap, out)
     return _lse_like(query, return_lse)
 
 

@@ -1,12 +1,15 @@
-"""VarlenSpec and VarlenBackwardSpec: what a varlen_attn kernel and its backward are compiled for
-(head_dim, dtype, paging, tile shape, rung)."""
+"""VarlenSpec and VarlenBackwardSpec: what a varlen_attn kernel and its backward are compiled
+for (head_dim, dtype, paging, tile shape, rung), and `for_call`, the one rule that picks the spec
+a call runs from the call's shape and device (prewarm lists what that rule can pick)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
 from jitattn.jit.registry import register
 from jitattn.jit.spec import DTYPE_TAGS, KernelSpec
+from jitattn.varlen import overrides
 
 
 def _wgmma_archs(name: str, archs: tuple[str, ...]) -> tuple[str, ...]:
@@ -18,36 +21,58 @@ def _wgmma_archs(name: str, archs: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(hopper)
 
 
-# Whether calls' paged D128 decode tiles copy K/V by TMA on sm_90 (VarlenSpec.takes_tma). Off:
-# on the H200 (bf16 64 x 4k keys, 32/8 heads, page 16, notes/paged-h200.md) the 32 x 3 tile ran
-# 265.8 us by TMA against 264.3 by cp.async (packed keys 260.0 against 245.1); the cp.async tile's
-# page slots since took it to 243 us (notes/paged-decode-h200.md), TMA was not re-measured. Specs with
-# tma=True on decode shapes still build and run (tools/bench_varlen.py --decode-tiles N,M,K,S,1).
+# The tables the call rules read (VarlenSpec.for_call, VarlenBackwardSpec.for_call). Each says
+# where a call takes a variant; the measurements behind it are in the note named.
+# Paged D128 decode tiles copy K/V by TMA on sm_90: off, no gain measured
+# (why: notes/paged-h200.md, "DECODE_TMA").
 DECODE_TMA = False
-
-# Head dims whose wgmma backward (with the producer) computes dQ in a kernel of its own
-# (VarlenBackwardSpec.dq_kernel): where backward_launch.plan takes it, and what prewarm builds.
+# Prefill head dims whose wgmma kernel with the TMA producer runs persistent (a CTA per SM walks
+# the row blocks; why: notes/forward-h200.md, "PERSISTENT_FORWARD_HEAD_DIMS").
+PERSISTENT_FORWARD_HEAD_DIMS: frozenset[int] = frozenset({64, 128})
+# Backward head dims whose wgmma kernel has the producer warpgroup (TMA copies of Q / dO, a bulk
+# dQ add at D64 / D128; why: notes/backward-h200.md, "PRODUCER_HEAD_DIMS").
+PRODUCER_HEAD_DIMS: frozenset[int] = frozenset({64, 128, 256})
+# Backward head dims whose producer kernel leaves dQ to a query-major kernel of its own
+# (VarlenBackwardSpec.dq_kernel; why: notes/backward-d256.md, "Third step").
 DQ_KERNEL_HEAD_DIMS: frozenset[int] = frozenset({256})
-# Head dims whose wgmma backward with the producer runs persistent (VarlenBackwardSpec.persistent:
-# a CTA per SM takes key tiles from a counter) outside deterministic mode, which plans the kernel
-# a CTA per key tile (the persistent one, run so, measured 1.08-1.14x slower there).
-# Measured on the H200 (bf16 8 x 4k, tools/bwd_ab.py against a CTA per key tile in the same
-# rounds, both orders, TFLOP/s): D128 full +0..+4%, causal +2..+5%; D64 -1..+2% full, -3..+3%
-# causal, a wash, so D64 stays a CTA per key tile (notes/backward-h200.md).
+# Backward head dims whose producer kernel runs persistent (a CTA per SM takes key tiles from a
+# counter) outside deterministic mode, where it measured slower (why: notes/backward-h200.md,
+# "PERSISTENT_HEAD_DIMS").
 PERSISTENT_HEAD_DIMS: frozenset[int] = frozenset({128})
 
-# Head dims whose wgmma prefill with the TMA producer runs persistent (VarlenSpec.persistent: a
-# CTA per SM walks the row blocks; VarlenSpec.takes_persistent). Measured on an H100 (bf16, D*H =
-# 2048, tools/fwd_schedule.py, the default kernel and SDPA in the same interleaved rounds,
-# TFLOP/s full / causal, notes/forward-h200.md): 32 x 1k D64 367 / 265 against 348 / 238, D128
-# 537 / 374 against 507 / 341 (+5..+11%: a row block's start and end leave the critical path);
-# 8 x 4k D64 494 / 428 against 501 / 412, D128 637 / 530 against 621 / 543 (-2..+4%, within the
-# rounds' spread; the H200 had D128 +2.4% / +4.1%). D256 (split_kv, 2 stages of 80 keys) lost
-# 15% at 8 x 4k and 29% at 32 x 1k (not yet understood: with 2 stages, the one that holds an
-# item's O until its stores are done leaves a single stage to start the next item in). O by TMA
-# stores since (PERSISTENT in templates/varlen/kernels.cu.j2): 32 x 1k D128 557 / 398 against
-# 537 / 372 with the warps' own stores, D64 +0..2%, 8 x 4k level (H100, 3 alternating processes).
-PERSISTENT_FORWARD_HEAD_DIMS: frozenset[int] = frozenset({64, 128})
+
+def _archs_facts(archs: tuple[str, ...]) -> list[bool]:
+    """The values `hopper` (the call runs on sm_90) takes for calls on target `archs`: True where
+    sm_90 is a target, False where another arch is or none is known."""
+    hopper = any(a.rstrip("a") == "9.0" for a in archs)
+    other = not archs or any(a.rstrip("a") != "9.0" for a in archs)
+    return [True] * hopper + [False] * other
+
+
+def _fields_of(spec: KernelSpec) -> dict:
+    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+
+
+def _unique(variants: list[dict]) -> list[dict]:
+    seen, out = set(), []
+    for v in variants:
+        key = tuple(sorted(v.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(v)
+    return out
+
+
+def _with_overrides(cls, chosen: KernelSpec, choose) -> KernelSpec:
+    """`chosen`, or, where an override applies to it (jitattn/varlen/overrides.py), `choose(forced)`:
+    the rule run again with the forced fields fixed; a spec the constructor rejects names the override."""
+    forced, source = overrides.forced_fields(cls, chosen)
+    if not forced:
+        return chosen
+    try:
+        return choose(forced)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{source} forces {forced} on {chosen.name}: {exc}") from exc
 
 
 @register
@@ -55,17 +80,12 @@ PERSISTENT_FORWARD_HEAD_DIMS: frozenset[int] = frozenset({64, 128})
 class VarlenSpec(KernelSpec):
     """varlen_attn: packed sequences (optionally a paged KV pool) on tensor cores.
 
-    Windows, GQA ratio, page size, split count and lengths are runtime arguments; what changes
-    the code is the head_dim, the dtype, paging (how a key row is addressed) and the tile shape.
-    `decode` picks the shape for few query rows per KV head (16 rows, each tile's keys spread over
-    4 warps) instead of the prefill one (the rows spread over the warps). `wgmma` (prefill,
-    head_dim a multiple of 64, Hopper only: built for sm_90a) runs both GEMMs as warpgroup MMAs
-    from shared memory, two warpgroups of 64 rows each (three at D64 with TMA: default_tile). `soft_cap` adds the logit soft cap
-    (Gemma-2's): logits cap * tanh(scale * q.k / cap), cap a runtime argument. The tile fields
-    (warps_m, m_tiles, block_n, stages) default to 0, which means the tuned shape for the head_dim
-    (`default_tile`); they are resolved on construction, so a spec always names its exact tile.
-    `persistent` (the TMA producer tiles) launches one CTA per SM that walks the row blocks
-    (templates/varlen/kernels.cu.j2, PERSISTENT); calls take it where `takes_persistent` says."""
+    Windows, GQA ratio, page size, split count and lengths are runtime arguments; the code
+    changes with the head_dim, the dtype, paging and the tile. `decode` is the shape for few
+    query rows per KV head (16 rows, each tile's keys spread over the warps); `wgmma` the Hopper
+    rung (prefill, head_dim a multiple of 64, built for sm_90a); `soft_cap` Gemma-2's logit cap.
+    The tile fields default to 0, the tuned tile (`default_tile`), resolved on construction, so
+    a spec names its exact tile. Which spec a call runs: `for_call`."""
 
     family: ClassVar[str] = "varlen"
     sources: ClassVar[dict[str, str]] = {
@@ -85,8 +105,8 @@ class VarlenSpec(KernelSpec):
     soft_cap: bool = False  # logits cap * tanh(scale * s / cap); the cap is a runtime argument
     pingpong: bool = False  # wgmma with the producer: the warpgroups take turns on the GEMMs
     overlap: bool = False   # wgmma with the producer: softmax of S_j under O += P_{j-1} V_{j-1}
-    tma: bool = False       # K/V tiles by TMA: wgmma with the producer, or decode tiles (calls take `takes_tma`)
-    split_kv: bool = False  # wgmma with the producer: K and V on their own mbarriers (calls take `takes_split_kv`)
+    tma: bool = False       # K/V tiles by TMA: wgmma with the producer, or decode tiles (calls: for_call)
+    split_kv: bool = False  # wgmma with the producer: K and V on their own mbarriers (calls: for_call)
     persistent: bool = False  # prefill, producer, TMA, plain GEMM order: a CTA per SM walks many row blocks
 
     # Field rules (KernelSpec.validate_fields); a tile field's 0 means the tuned default.
@@ -138,80 +158,52 @@ class VarlenSpec(KernelSpec):
                                  f"wgmma={self.wgmma}, tma={self.tma})")
 
     @classmethod
-    def prewarm_variants(cls, fields: dict, archs: tuple[str, ...]) -> list[dict]:
-        """What varlen calls with these fields may run on `archs`: both paging modes and both
-        tile shapes unless named (a call picks the shape from its batch); for prefill the wgmma
-        rung where sm_90 is a target and the head_dim fits, and the mma.sync one where another
-        arch is (or the shape does not fit, or no arch is known). `wgmma` named: as named."""
-        hopper = any(a.rstrip("a") == "9.0" for a in archs)
-        other = not archs or any(a.rstrip("a") != "9.0" for a in archs)
-        variants = []
-        for paged in [fields["paged"]] if "paged" in fields else [False, True]:
-            for decode in [fields["decode"]] if "decode" in fields else [False, True]:
-                if "wgmma" in fields:
-                    rungs = [fields["wgmma"]]
-                else:
-                    fits = cls.wgmma_fits(fields.get("head_dim", 0), decode)
-                    rungs = ([True] if fits and hopper else []) + ([False] if other or not fits else [])
-                for w in rungs:
-                    variant = {**fields, "paged": paged, "decode": decode, "wgmma": w}
-                    if "tma" not in fields and cls.takes_tma(fields.get("head_dim", 0), paged, decode, w, hopper):
-                        variants.append(cls._with_schedule({**variant, "tma": True}))
-                        if w or not other:  # a decode tile on another GPU copies by cp.async
-                            continue
-                    variants.append(cls._with_schedule(variant))
-        return variants
+    def for_call(cls, head_dim: int, dtype: str, paged: bool, soft_cap: bool, few_rows: bool, one_split: bool,
+                 hopper: bool, wgmma_enabled: bool = True, **chosen) -> "VarlenSpec":
+        """The spec a call runs: the one rule from a call's facts to its kernel.
+
+        few_rows: every KV head's query rows (max_q x the GQA group) fit one 16-row tile;
+        one_split: num_splits=1, which keeps the prefill shape so a sequence's result never
+        depends on the rest of the batch; hopper: the call runs on sm_90; wgmma_enabled:
+        JITATTN_WGMMA. `chosen` fixes fields ahead of the rule (prewarm's named fields); the
+        active overrides (jitattn/varlen/overrides.py) apply on top."""
+        def choose(fixed: dict) -> "VarlenSpec":
+            decode = fixed.get("decode", few_rows and not one_split)
+            wgmma = fixed.get("wgmma", hopper and wgmma_enabled and cls.wgmma_fits(head_dim, decode))
+            if "tma" in fixed:
+                tma = fixed["tma"]
+            elif decode:  # the paged D128 decode tile, where DECODE_TMA turns it on
+                tma = DECODE_TMA and hopper and paged and head_dim == 128
+            else:  # paged producer shapes, packed keys at D64 / D128 and D256 (with split_kv)
+                tma = wgmma and (paged or head_dim <= 128 or head_dim == 256)
+            split_kv = fixed.get("split_kv", wgmma and tma and head_dim == 256)
+            persistent = fixed.get("persistent", wgmma and tma and not decode
+                                   and head_dim in PERSISTENT_FORWARD_HEAD_DIMS)
+            return cls(**{**fixed, "head_dim": head_dim, "dtype": dtype, "paged": paged, "soft_cap": soft_cap,
+                          "decode": decode, "wgmma": wgmma, "tma": tma, "split_kv": split_kv,
+                          "persistent": persistent})
+
+        # why (TMA, split_kv, persistent): notes/forward-h200.md, "VarlenSpec.takes_tma" and after
+        return _with_overrides(cls, choose(chosen), lambda forced: choose({**forced, **chosen}))
 
     @classmethod
-    def _with_schedule(cls, fields: dict) -> dict:
-        """`fields` with the split_kv and persistent a call of that shape takes, unless named."""
-        head_dim, tma = fields.get("head_dim", 0), fields.get("tma", False)
-        if "split_kv" not in fields and cls.takes_split_kv(head_dim, fields["wgmma"], tma):
-            fields = {**fields, "split_kv": True}
-        if "persistent" not in fields and cls.takes_persistent(head_dim, fields["decode"], fields["wgmma"], tma):
-            fields = {**fields, "persistent": True}
-        return fields
+    def prewarm_variants(cls, fields: dict, archs: tuple[str, ...]) -> list[dict]:
+        """Every spec a call with these fields may run on `archs`: `for_call` over the facts such
+        calls can have (both paging modes unless named, decode and prefill shapes, sm_90 or not
+        by `archs`, JITATTN_WGMMA as set now); named fields fix their values."""
+        from jitattn.jit import env
 
-    @staticmethod
-    def takes_tma(head_dim: int, paged: bool, decode: bool, wgmma: bool, hopper: bool = True) -> bool:
-        """Whether a call's kernel copies K/V by TMA (`tma`; `hopper`: the call runs on sm_90):
-        the paged wgmma shapes with the producer warpgroup (has_producer), packed keys at D64 and
-        D128, and, if DECODE_TMA (off: no gain measured), the paged D128 decode tile on sm_90. On the H200 (bf16 8 x 4k, D*H = 2048, full / causal
-        TFLOP/s, pages a random permutation; one box per tile or page; notes/forward-tma.md):
-        paged D128 page 16 went from 270 / 263 (cp.async) to 582 / 537, 0.95x / 1.01x of
-        contiguous (bench_varlen.py --parts paged-prefill), page 256 to 580 / 505, D256 from
-        298 / 277 to 508 / 487 (tools/fwd_tma.py). Packed keys with TMA measured 634 / 548 against
-        573 / 531 at D128 (+11% / +3%) and 563 / 520 against 571 / 524 at D256 (-1%) in the same
-        job, so packed D128 takes it too; packed D256 takes it with split_kv, which needs it to
-        gain (takes_split_kv). At D64, TMA brings a producer warpgroup (one CTA per SM
-        instead of the lockstep loop's two): packed keys +3-5% (see default_tile). Paged D64 takes
-        the same kernel (its pages under 16 rows by the producer's cp.async), so paged and packed
-        keys keep giving the same bits (one tile shape, one reduction order)."""
-        if decode:
-            return DECODE_TMA and hopper and paged and head_dim == 128
-        if not wgmma or head_dim < 64:
-            return False
-        return paged or head_dim <= 128 or head_dim == 256
-
-    @staticmethod
-    def takes_split_kv(head_dim: int, wgmma: bool, tma: bool) -> bool:
-        """Whether a call's kernel takes `split_kv` (and with it its tile): the D256 wgmma kernels by TMA,
-        whose two pipelines let a stage's K come free a tile before its V, so 2 stages of 80 keys
-        keep the copies ahead (FlashAttention-3's hdim256 tile). On the H200 (bf16 8 x 4k, 8
-        heads, full / causal TFLOP/s, tools/fwd_schedule.py, interleaved rounds, same job): 606 /
-        537 against 550 / 470 for the 48 x 3 cp.async kernel (535 / 475 by TMA, 510 / 465 for
-        80 x 2 without split_kv; 64 x 2 with it 565 / 526); a second job 583 / 529 against 544 /
-        483. D128 (128 x 3: 559 / 489 against 609 / 552; 128 x 2 and 160 x 2 also slower) and D64
-        (128 x 4: 418 / 354 against 432 / 363) lose, so they keep one barrier a stage
-        (notes/forward-h200.md)."""
-        return wgmma and tma and head_dim == 256
-
-    @staticmethod
-    def takes_persistent(head_dim: int, decode: bool, wgmma: bool, tma: bool) -> bool:
-        """Whether a call's kernel is the persistent one (`persistent`): the wgmma prefill with the
-        TMA producer at PERSISTENT_FORWARD_HEAD_DIMS (D64, D128). Each row block's arithmetic is a
-        CTA's of the other schedule, so outputs are the same bits either way."""
-        return wgmma and tma and not decode and head_dim in PERSISTENT_FORWARD_HEAD_DIMS
+        base = {k: v for k, v in fields.items() if k not in ("head_dim", "dtype", "paged", "soft_cap")}
+        wgmma_enabled = env.wgmma_enabled()
+        variants = []
+        for paged in [fields["paged"]] if "paged" in fields else [False, True]:
+            for few_rows, one_split in ((False, False), (True, False), (True, True)):
+                for hopper in _archs_facts(archs):
+                    spec = cls.for_call(fields.get("head_dim", 0), fields.get("dtype", "float16"), paged,
+                                        fields.get("soft_cap", False), few_rows, one_split, hopper, wgmma_enabled,
+                                        **base)
+                    variants.append(_fields_of(spec))
+        return _unique(variants)
 
     @staticmethod
     def wgmma_fits(head_dim: int, decode: bool) -> bool:
@@ -226,28 +218,9 @@ class VarlenSpec(KernelSpec):
     @staticmethod
     def default_tile(head_dim: int, decode: bool, wgmma: bool = False, tma: bool = False,
                      split_kv: bool = False) -> tuple[int, int, int, int]:
-        """(warps_m, m_tiles, block_n, stages), from the tools/tune_varlen.py sweep on the H200:
-        prefill bf16 8x4k, head_dim 64/128 best at 4 warps x 32 rows x 64 keys (D128: 32-key
-        tiles within 3%, 8 warps x 16 rows 5-10% slower), 256 at 8 warps x 16 rows x 64 keys
-        (+13% over 32 keys). Decode shapes (block_n / 16 warps, 16 keys each) at D128: 32 keys x
-        3 stages (2 warps, 53 KB, 4 CTAs per SM), from tools/bench_varlen.py --decode-tiles (bf16
-        64 x 4k, 32/8, page 16, cold L2, two runs): paged 262-264 us against 275-279 for 64 x 3
-        (2 CTAs per SM), 387 for 32 x 6, 331-347 for 48 x 4 and 128 x 3; packed keys 240-245
-        against 240-247. Other head dims keep 64 keys x 3 stages (2 at D256; 4 stages had left
-        one CTA per SM: -37%), not re-measured. The wgmma rung (two warpgroups of 64 rows)
-        measured best at 64 keys x 3 stages for D64 (2 CTAs per SM; 128 keys: -20%), and, with its producer warpgroup, 128
-        keys x 3 stages for D128 (64 or 96 keys: -7 to -18%; 2 stages: -22%) and 48 keys x 3
-        stages for D256 (64 or 80 keys fit only 2 stages: -20%). D64 with TMA (and so a producer):
-        128 keys x 4 stages, 428-434 / 350-359 TFLOP/s full / causal against the lockstep loop's
-        410-414 / 344 in the same job; 64 keys x 3-4: 364-375 / 315-327; 128 x 3: 411-415 /
-        346-348; three compute warpgroups (192 rows, 160 registers) x 128 keys x 3: 442 / 339-344
-        (2 stages: 288 / 251) (notes/forward-h200.md). Since taken: three compute warpgroups x 128
-        keys x 4 stages (12 warps, 192 rows; registers 32 / 160), 458.5 / 387.7 against 418.0 /
-        367.7 for two warpgroups in the same job (interleaved rounds, 456-460 / 385-392 against
-        400-432 / 352-371), SDPA 459.8 / 441.1: K/V read once per 192 rows instead of 128. D128
-        with 2 stages of wider tiles (144-192 keys, with or without overlap) lost 21-34%.
-        D256 with split_kv: 80 keys x 2 stages
-        (see takes_split_kv), the most 2 stages fit beside Q's 64 KB."""
+        """(warps_m, m_tiles, block_n, stages): the tile tools/tune_varlen.py and the schedule
+        sweeps found best for the shape (why: notes/forward-h200.md, "VarlenSpec.default_tile";
+        the decode tile: notes/paged-decode-h200.md, "Run 2")."""
         if wgmma:
             if head_dim == 64 and tma:
                 return (12, 1, 128, 4)
@@ -260,17 +233,10 @@ class VarlenSpec(KernelSpec):
 
     @property
     def has_producer(self) -> bool:
-        """The wgmma rung hands K/V copies to a producer warpgroup from head_dim 128, and at 64 when
-        they come by TMA (the template's PRODUCER). Only those shapes have `pingpong` / `overlap`: how the two compute warpgroups
-        order their GEMMs (templates/varlen/kernels.cu.j2, PINGPONG and OVERLAP). Both default to
-        off (the old kernel) and no call turns them on: on the H200 (bf16 8 x 4k, full / causal
-        TFLOP/s, same run, tools/fwd_schedule.py) D128 603 / 495 without, 595 / 495 pingpong,
-        592 / 496 overlap, 525 / 478 both; D256 573 / 516, 570 / 515, 567 / 505, 508 / 479 (see
-        notes/forward-h200.md). Caveat on `overlap`: ptxas (CUDA 13.0) pulls the O += P V wait up
-        above the softmax in every such build, so it runs the deferred order without the overlap;
-        the ways found to keep the wait in place serialize every wgmma (SASS, notes/forward-h200.md,
-        2026-12-05). A shape that gains from one would take it where the call's spec is made
-        (jitattn/varlen/forward.py), as `wgmma` is."""
+        """Whether the wgmma rung hands K/V copies to a producer warpgroup (the template's
+        PRODUCER): from head_dim 128, and at 64 with TMA. Only those shapes have the `pingpong` /
+        `overlap` GEMM orders, which no call takes (why: notes/forward-h200.md,
+        "VarlenSpec.has_producer")."""
         return self.wgmma and (self.head_dim >= 128 or self.tma)
 
     @property
@@ -309,24 +275,14 @@ CONSUMER_REGS = {224: 56, 240: 24}
 class VarlenBackwardSpec(KernelSpec):
     """The backward of varlen_attn (packed KV): preprocess, main and postprocess kernels.
 
-    Windows, GQA ratio, lengths, scale and deterministic mode are runtime arguments; what
-    changes the code is the head_dim, the dtype and the tile shape: `block_n` keys per CTA,
-    `block_m` packed query rows per step of its walk, and `warps_q` (1 or 2) warps per 16-key
-    group (2 splits the head_dim columns of dK / dV between them, which head_dim > 128 needs
-    to keep its accumulators in registers). The tile fields default to 0, the tuned shape for
-    the head_dim (`default_tile`), resolved on construction, so a spec always names its exact
-    tile. `wgmma` is the Hopper rung (sm_90a: warpgroup MMAs, FlashAttention-3's shape): head_dim
-    64 or 128, 128 keys x 64 queries on two warpgroups; 256: 64 keys x 64 queries, the two
-    warpgroups splitting dK / dV along head_dim (warps_q=2); it builds for 9.0a only. `producer`
-    (wgmma only) adds a third warpgroup that copies the query tiles by TMA and adds each tile's
-    dQ with one bulk reduce-add, handing both over through mbarriers (FlashAttention-3's data
-    movement; jitattn.varlen.backward_launch.PRODUCER_HEAD_DIMS, the default at 64, 128, 256;
-    at 256 only the copies: the compute warpgroups add dQ themselves).
-    `soft_cap`: the backward of the forward's logit soft cap (the cap a runtime argument).
-    `dq_kernel` (wgmma with the producer, head_dim 256: DQ_KERNEL_HEAD_DIMS, where backward_launch
-    plans it): dQ by a kernel of its own, one CTA per query tile summing dQ in registers over the
-    key tiles (templates/varlen/backward_dq.cuh; no fp32 accumulator, no atomics, no
-    postprocess), the main kernel computing dK / dV only (notes/backward-d256.md)."""
+    Windows, GQA ratio, lengths, scale and deterministic mode are runtime arguments; the code
+    changes with the head_dim, the dtype and the tile: `block_n` keys per CTA, `block_m` query
+    rows per step of its walk, `warps_q` warps per 16-key group (2 split dK / dV's columns, which
+    head_dim > 128 needs). The tile fields default to 0, the tuned tile (`default_tile`), resolved
+    on construction. `wgmma` is the Hopper rung (sm_90a, FlashAttention-3's shape); `producer`
+    adds a warpgroup that copies the query tiles by TMA and adds dQ in bulk; `dq_kernel` moves dQ
+    into a query-major kernel of its own (templates/varlen/backward_dq.cuh); `persistent` walks
+    many key tiles per CTA. Which spec a call runs: `for_call`."""
 
     family: ClassVar[str] = "varlen_backward"
     sources: ClassVar[dict[str, str]] = {
@@ -353,29 +309,35 @@ class VarlenBackwardSpec(KernelSpec):
     rules: ClassVar[dict[str, str]] = {"head_dim": "a multiple of 16 in [32, 256]", "warps_q": "1 or 2 (0: the default)"}
 
     @classmethod
+    def for_call(cls, head_dim: int, dtype: str, soft_cap: bool, deterministic: bool, hopper: bool,
+                 wgmma_enabled: bool = True, **chosen) -> "VarlenBackwardSpec":
+        """The spec a backward call runs: the Hopper rung on sm_90 where it covers the head_dim
+        and JITATTN_WGMMA allows it (with the producer, dq_kernel and persistent at their head
+        dims, persistent never in deterministic mode), else mma.sync; the soft cap's variant when
+        the forward had one. `chosen` and the overrides as for VarlenSpec.for_call."""
+        def choose(fixed: dict) -> "VarlenBackwardSpec":
+            wgmma = fixed.get("wgmma", hopper and wgmma_enabled and cls.wgmma_fits(head_dim))
+            producer = fixed.get("producer", wgmma and head_dim in PRODUCER_HEAD_DIMS)
+            dq_kernel = fixed.get("dq_kernel", producer and head_dim in DQ_KERNEL_HEAD_DIMS)
+            persistent = fixed.get("persistent", producer and head_dim in PERSISTENT_HEAD_DIMS and not deterministic)
+            return cls(**{**fixed, "head_dim": head_dim, "dtype": dtype, "soft_cap": soft_cap, "wgmma": wgmma,
+                          "producer": producer, "dq_kernel": dq_kernel, "persistent": persistent})
+
+        return _with_overrides(cls, choose(chosen), lambda forced: choose({**forced, **chosen}))
+
+    @classmethod
     def prewarm_variants(cls, fields: dict, archs: tuple[str, ...]) -> list[dict]:
-        """What backward calls with these fields may run on `archs` (as VarlenSpec's forward):
-        the wgmma rung where sm_90 is a target and the head_dim fits (with the producer warpgroup
-        unless `producer` is named, as backward_launch plans it), the mma.sync one where another
-        arch is (or it does not fit, or no arch is known); `wgmma` named: as named."""
-        def persistent(producer: bool) -> list[bool]:  # as backward_launch plans it unless named:
-            if "persistent" in fields:                  # both where deterministic mode takes the other
-                return [fields["persistent"]]
-            return [True, False] if producer and fields.get("head_dim", 0) in PERSISTENT_HEAD_DIMS else [False]
+        """Every spec a backward call with these fields may run on `archs`: `for_call` over both
+        modes (deterministic or not) and sm_90 or not by `archs`, JITATTN_WGMMA as set now;
+        named fields fix their values."""
+        from jitattn.jit import env
 
-        if "wgmma" in fields:
-            return [{**fields, "persistent": p} for p in persistent(fields.get("producer", False))]
-        hopper = any(a.rstrip("a") == "9.0" for a in archs)
-        other = not archs or any(a.rstrip("a") != "9.0" for a in archs)
-        fits = cls.wgmma_fits(fields.get("head_dim", 0))
-        rungs = ([True] if fits and hopper else []) + ([False] if other or not fits else [])
-        def hopper_variants() -> list[dict]:
-            producer = fields.get("producer", True)
-            dq = fields.get("dq_kernel", producer and fields.get("head_dim", 0) in DQ_KERNEL_HEAD_DIMS)
-            return [{**fields, "wgmma": True, "producer": producer, "dq_kernel": dq, "persistent": p}
-                    for p in persistent(producer)]
-
-        return [v for w in rungs for v in (hopper_variants() if w else [{**fields, "wgmma": False}])]
+        base = {k: v for k, v in fields.items() if k not in ("head_dim", "dtype", "soft_cap")}
+        wgmma_enabled = env.wgmma_enabled()
+        return _unique([_fields_of(cls.for_call(fields.get("head_dim", 0), fields.get("dtype", "float16"),
+                                                fields.get("soft_cap", False), deterministic, hopper, wgmma_enabled,
+                                                **base))
+                        for hopper in _archs_facts(archs) for deterministic in (False, True)])
 
     def __post_init__(self):
         self.validate_fields()
@@ -425,14 +387,9 @@ class VarlenBackwardSpec(KernelSpec):
 
     @staticmethod
     def default_consumer_regs(head_dim: int) -> int:
-        """The compute warpgroups' registers with the producer warpgroup (CONSUMER_REGS: the
-        producer's are what is left): 240 at head_dim 128, 224 elsewhere. At D128 with 224 ptxas
-        serializes every wgmma (advisory C7512, a WARPGROUP.DEPBAR after each of the 32 HGMMAs of a
-        step; ncu on the H200: 48% of the compute warps' stall samples on those waits); at 240 it
-        issues them back to back (4 waits a step) and the producer, left 24, spills 92 bytes. On
-        the H200 (bf16 8 x 4k, 32 heads, tools/bwd_ab.py, 3 interleaved rounds, same job): 473.8 /
-        432.0 TFLOP/s full / causal against 440.8 / 379.2 at 224 (SDPA 493.1 / 441.4). D64 at 224
-        keeps its wgmmas pipelined (4 waits) and was not timed at 240 (notes/backward-h200.md)."""
+        """The compute warpgroups' registers beside the producer (CONSUMER_REGS; the producer gets
+        the rest): 240 at head_dim 128, where 224 made ptxas serialize every wgmma, 224 elsewhere
+        (why: notes/backward-h200.md, "VarlenBackwardSpec.default_consumer_regs")."""
         return 240 if head_dim == 128 else 224
 
     @staticmethod
@@ -442,18 +399,10 @@ class VarlenBackwardSpec(KernelSpec):
 
     @staticmethod
     def default_tile(head_dim: int, wgmma: bool = False) -> tuple[int, int, int]:
-        """(block_n, block_m, warps_q). mma.sync: 128 keys x 64 queries on 8 warps up to
-        head_dim 128 (each warp 16 keys with all of dK / dV in registers), 64 x 64 on 8 warps
-        (two per key group) above. On the H200 (bf16 8 x 4k, full / causal TFLOP/s): D64 165 /
-        153 against 141 / 138 for 64 x 64 on 4 warps and 148 / 140 for 128 x 64 with two warps
-        per key group; D128 190 / 180 against 117 / 114 (64 x 64, 4 warps) and 128 / 123
-        (64 x 64, 8 warps). wgmma: 128 keys (two warpgroups of 64) x 64 queries: D64 207 / 192,
-        D128 261 / 236; with the producer D64 388 / 332, D128 431 / 370 (128 queries a step at D64,
-        FlashAttention-3's hdim64 tile, measured 372 / 316 against 391 / 323: notes/backward-h200.md).
-        wgmma at D256: 64 keys x 64 queries, warps_q=2 (the warpgroups split dK / dV along
-        head_dim: 128 keys would need 256 accumulator registers a thread), with the producer 259 /
-        240 against 114 / 114 on mma.sync (notes/backward-d256.md; bound by the L2's dQ reductions);
-        with dQ in its own kernel (dq_kernel) 391 / 353."""
+        """(block_n, block_m, warps_q): 128 keys x 64 queries, one warp per 16 keys, up to head_dim
+        128; above, 64 x 64 with two warps per key group (dK / dV split along head_dim to fit in
+        registers). The same on both rungs (why: notes/backward-h200.md,
+        "VarlenBackwardSpec.default_tile")."""
         if wgmma:  # head_dim 256: 64 keys, the two warpgroups split dK / dV along head_dim (warps_q=2)
             return (128, 64, 1) if head_dim <= 128 else (64, 64, 2)
         return (128, 64, 1) if head_dim <= 128 else (64, 64, 2)
