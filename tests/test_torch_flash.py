@@ -281,6 +281,10 @@ def test_sdpa_flash_op_under_torch_compile_fullgraph(provider_on_cpu):
     assert torch_flash.CALLS["forward"] >= 1 and torch_flash.CALLS["backward"] >= 1
 
 
+def test_this_torch_lays_out_varlen_lse_as_jitattn_does():
+    assert torch_flash.varlen_lse_is_packed()  # else every varlen call would fall back
+
+
 def test_dense_cu_seq_is_made_once_per_shape_and_device():
     first = torch_flash.dense_cu_seq(3, 5, torch.device("cpu"))
     assert first.tolist() == [0, 5, 10, 15] and first.dtype == torch.int32
@@ -404,3 +408,18 @@ def test_a_fallback_runs_the_original_kernel_and_logs_once(caplog):
     assert torch_flash.CALLS == {"fallback": 2}
     assert [r.getMessage() for r in caplog.records].count(
         "aten::_flash_attention_forward runs torch's own kernel: dropout_p > 0 (logged once)") == 1
+
+
+def test_a_call_jitattn_refuses_after_the_decision_still_runs_torchs_kernel():
+    def refusing_forward(*args):
+        raise ValueError("cu_seq_q must be contiguous")
+
+    class Original:
+        def call_boxed(self, keyset, *args, **kwargs):
+            return "aten's result"
+
+    kernel = torch_flash.dispatching_kernel("_flash_attention_forward", Original())
+    torch_flash.CALLS.clear()
+    with torch_flash.use_kernels(STAND_IN._replace(forward=refusing_forward)):
+        assert kernel("keyset", *_dense(), None, None, 8, 8, 0.0, False, False) == "aten's result"
+    assert torch_flash.CALLS == {"fallback": 1}

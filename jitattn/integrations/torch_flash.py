@@ -36,6 +36,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
+from jitattn.errors import JitattnError
 from jitattn.integrations.torch_registry import IMPL_NAME
 
 log = logging.getLogger("jitattn.torch_flash")
@@ -164,6 +165,20 @@ def _scale_error(scale) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def varlen_lse_is_packed() -> bool:
+    """Whether this torch's varlen flash forward returns lse as (H, T_q), as jitattn does (asked
+    of aten's meta kernel once). Older FlashAttention ports padded it to (B, H, max_q); varlen
+    calls then run torch's kernel rather than return another layout."""
+    q = torch.empty(8, 2, 64, dtype=torch.float16, device="meta")
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    try:
+        lse = torch.ops.aten._flash_attention_forward(q, q, q, cu, cu, 4, 4, 0.0, False, False)[1]
+    except Exception:  # no meta kernel: do not guess
+        return False
+    return tuple(lse.shape) == (2, 8)
+
+
 def forward_fallback_reason(query, key, value, cum_seq_q, cum_seq_k, dropout_p, return_debug_mask, *,
                             scale=None, window_size_left=None, window_size_right=None, seqused_k=None,
                             alibi_slopes=None, block_table=None, out=None) -> str | None:
@@ -188,6 +203,8 @@ def forward_fallback_reason(query, key, value, cum_seq_q, cum_seq_k, dropout_p, 
             why = "block_table without seqused_k"
     if why is None and not dense and cum_seq_k is None and not paged:
         why = "cum_seq_k is None without block_table"
+    if why is None and not dense and not varlen_lse_is_packed():
+        why = "this torch lays out varlen lse as (B, H, max_q)"
     if why is None and out is not None and out.shape != query.shape:
         why = f"out shape {tuple(out.shape)} differs from query's {tuple(query.shape)}"
     return (why or _int32_error(cum_seq_q=cum_seq_q, cum_seq_k=cum_seq_k, seqused_k=seqused_k,
@@ -412,8 +429,15 @@ def dispatching_kernel(op_name: str, original) -> Callable:
     def kernel(keyset, *args, **kwargs):
         reason = reason_for(*args, **kwargs)
         if reason is None:
-            CALLS[kind] += 1
-            return implementation(*args, **kwargs)
+            try:
+                result = implementation(*args, **kwargs)
+            except (ValueError, TypeError, JitattnError) as exc:
+                # jitattn refused the call before launching anything (its checks, a strict-mode
+                # miss, a failed build): torch's kernel still computes it.
+                reason = f"jitattn refused it: {type(exc).__name__}: {exc}"
+            else:
+                CALLS[kind] += 1
+                return result
         CALLS["fallback"] += 1
         _log_fallback(op_name, reason)
         if original is None:
