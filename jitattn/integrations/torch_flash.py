@@ -279,7 +279,8 @@ def _like(result: Tensor, like: Tensor) -> Tensor:
     """`result` with the strides of torch.empty_like(like) (what aten's meta kernels promise)."""
     if result.stride() == like.stride():
         return result
-    return torch.empty_like(like).copy_(result)
+    target = torch.empty_like(like)  # `like`'s strides when it is dense, else contiguous ones
+    return result if target.stride() == result.stride() else target.copy_(result)
 
 
 def _aux(query: Tensor, compute: bool = True):
@@ -318,7 +319,7 @@ def flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_
                            scale, window, enable_gqa, None, None, num_splits)
     if out_packed is None:
         out.copy_(target.view(batch, seqlen_q, heads, -1))
-    lse = lse.view(heads, batch, seqlen_q).transpose(0, 1).contiguous()
+    lse = lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
     return (out, lse) + _aux(query, compute_auxiliary)
 
 
@@ -345,7 +346,8 @@ def flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_se
     lse = logsumexp.transpose(0, 1).reshape(heads, batch * seqlen_q)
     dq, dk, dv = _kernels.backward(_packed(grad_out), _packed(query), _packed(key), _packed(value), _packed(out),
                                    lse, cu_q, cu_k, seqlen_q, seqlen_k, scale, window)
-    return (_like(dq.view(query.shape), query), _like(dk.view(key.shape), key), _like(dv.view(value.shape), value))
+    return (_like(dq.reshape(query.shape), query), _like(dk.reshape(key.shape), key),
+            _like(dv.reshape(value.shape), value))
 
 
 def sdpa_flash_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
