@@ -67,9 +67,9 @@ def attention_f64(q, k, v, scale, left, right):
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     sq, sk = q.shape[2], k.shape[2]
-    rows = torch.arange(sq)[:, None] + sk - sq
-    cols = torch.arange(sk)[None, :]
-    allowed = torch.ones(sq, sk, dtype=torch.bool)
+    rows = torch.arange(sq, device=q.device)[:, None] + sk - sq
+    cols = torch.arange(sk, device=q.device)[None, :]
+    allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
     if left >= 0:
         allowed &= cols >= rows - left
     if right >= 0:
