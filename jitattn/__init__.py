@@ -2,11 +2,12 @@
 
 The API functions are imported on first use, so the command line and the cache tools start
 without importing torch. `activate()` / `restore()` make torch's own flash attention (SDPA's flash
-path, torch.nn.attention.varlen) run jitattn's kernels (jitattn/integrations/torch_flash.py). Each kernel family is one folder (jitattn/decode, jitattn/varlen); the
-compiler service that builds, caches and loads their kernels (jitattn/jit) knows none of them.
+path, torch.nn.attention.varlen) run jitattn's kernels (jitattn/integrations/torch_flash.py).
+Each kernel family is one folder (jitattn/decode, jitattn/varlen); the compiler service that
+builds, caches and loads their kernels (jitattn/jit) knows none of them.
 """
 from jitattn._log import setup_logging
-from jitattn.integrations.torch_registry import register_when_torch_loads
+from jitattn.integrations.torch_registry import activate, register_when_torch_loads, restore
 from jitattn.errors import (
     CacheLockTimeout,
     CacheNotWritable,
@@ -38,8 +39,6 @@ _LAZY = {
     "varlen_attn": "jitattn.varlen.api",
     "varlen_attn_out": "jitattn.varlen.api",
     "AuxRequest": "jitattn.varlen.checks",
-    "activate": "jitattn.integrations.torch_flash",
-    "restore": "jitattn.integrations.torch_flash",
 }
 
 

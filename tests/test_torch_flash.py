@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import jitattn
-from jitattn.integrations import torch_flash
+from jitattn.integrations import torch_flash, torch_registry
 from jitattn.reference import varlen_attn_reference
 from jitattn.reference_backward import varlen_attn_backward
 
@@ -119,13 +119,13 @@ def test_activate_and_restore_round_trip_through_torchs_registry():
     assert torch.nn.attention.current_flash_attention_impl() is None
     try:
         jitattn.activate()
-        assert torch.nn.attention.current_flash_attention_impl() == "jitattn" and torch_flash.is_active()
+        assert torch.nn.attention.current_flash_attention_impl() == "jitattn" and torch_registry.is_active()
         jitattn.restore()
-        assert torch.nn.attention.current_flash_attention_impl() is None and not torch_flash.is_active()
+        assert torch.nn.attention.current_flash_attention_impl() is None and not torch_registry.is_active()
         torch.nn.attention.activate_flash_attention_impl("jitattn")
-        assert torch_flash.is_active()
+        assert torch_registry.is_active()
         torch.nn.attention.restore_flash_attention_impl()
-        assert not torch_flash.is_active()
+        assert not torch_registry.is_active()
     finally:
         jitattn.restore()
 

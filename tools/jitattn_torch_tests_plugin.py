@@ -15,10 +15,10 @@ def pytest_configure(config):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    from jitattn.integrations import torch_flash
+    from jitattn.integrations import torch_flash, torch_registry
 
     calls = dict(torch_flash.CALLS)
-    terminalreporter.write_line(f"jitattn flash provider: active={torch_flash.is_active()} calls={calls}")
+    terminalreporter.write_line(f"jitattn flash provider: active={torch_registry.is_active()} calls={calls}")
 
 
 def pytest_unconfigure(config):

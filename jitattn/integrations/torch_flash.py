@@ -5,6 +5,9 @@
     ...                                         # SDPA's flash path and torch's varlen_attn run jitattn
     torch.nn.attention.restore_flash_attention_impl()             # or jitattn.restore()
 
+(the registration and activate / restore: jitattn/integrations/torch_registry.py; this module is
+what activation installs.)
+
 Activation overrides, for one dispatch key (CUDA), aten's `_flash_attention_forward`,
 `_flash_attention_forward_no_dropout_inplace`, `_flash_attention_backward`,
 `_scaled_dot_product_flash_attention` and `_scaled_dot_product_flash_attention_backward` with
@@ -37,7 +40,6 @@ import torch
 from torch import Tensor
 
 from jitattn.errors import JitattnError
-from jitattn.integrations.torch_registry import IMPL_NAME
 
 log = logging.getLogger("jitattn.torch_flash")
 
@@ -75,12 +77,12 @@ class Kernels(NamedTuple):
 
 def _jitattn_forward(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window, enable_gqa,
                      seqused_k, block_table, num_splits):
-    import jitattn
+    from jitattn.varlen import AuxRequest, varlen_attn_out  # the family's public names (= jitattn.varlen_attn_out)
 
-    _, lse = jitattn.varlen_attn_out(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
-                                     return_aux=jitattn.AuxRequest(lse=True), scale=scale,
-                                     window_size=tuple(window), enable_gqa=enable_gqa, seqused_k=seqused_k,
-                                     block_table=block_table, num_splits=num_splits)
+    _, lse = varlen_attn_out(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
+                             return_aux=AuxRequest(lse=True), scale=scale, window_size=tuple(window),
+                             enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table,
+                             num_splits=num_splits)
     return lse
 
 
@@ -485,35 +487,3 @@ def install(dispatch_key: str = "CUDA") -> ProviderHandle:
         original = _original_kernel(op_name, dispatch_key)
         library.impl(op_name, dispatching_kernel(op_name, original), dispatch_key, with_keyset=True)
     return ProviderHandle(library)
-
-
-def _registry():
-    registry = getattr(torch.nn.attention, "_registry", None)
-    if registry is None or not hasattr(registry, "activate_flash_attention_impl"):
-        raise RuntimeError(f"torch {torch.__version__} has no flash-attention registry "
-                           "(torch.nn.attention.activate_flash_attention_impl, torch >= 2.11)")
-    return registry
-
-
-def activate() -> None:
-    """Route torch's flash attention (SDPA's flash path, torch.nn.attention.varlen) to jitattn:
-    torch.nn.attention.activate_flash_attention_impl("jitattn"), registering it first if needed."""
-    from jitattn.integrations import torch_registry
-
-    registry = _registry()
-    if IMPL_NAME not in registry.list_flash_attention_impls():
-        torch_registry.register(registry)
-    registry.activate_flash_attention_impl(IMPL_NAME)
-
-
-def restore() -> None:
-    """Give torch its own flash kernels back if jitattn is the active provider (else do nothing)."""
-    registry = _registry()
-    if registry.current_flash_attention_impl() == IMPL_NAME:
-        registry.restore_flash_attention_impl()
-
-
-def is_active() -> bool:
-    """Whether jitattn is torch's active flash-attention provider."""
-    registry = getattr(torch.nn.attention, "_registry", None)
-    return registry is not None and registry.current_flash_attention_impl() == IMPL_NAME

@@ -6,7 +6,8 @@ registry module (torch/nn/attention/_registry.py, which imports nothing from tor
 in the middle of `import torch`). Registering only stores a function: nothing is activated (torch
 asks providers never to activate on import) and the provider (jitattn/integrations/torch_flash.py,
 which imports torch) is imported only when a user activates it. A torch without the registry
-(before 2.11) gets nothing and no error.
+(before 2.11) gets nothing and no error. `activate()` / `restore()` (jitattn.activate /
+jitattn.restore) switch the provider on and off through torch's registry.
 """
 from __future__ import annotations
 
@@ -72,3 +73,37 @@ class _RegisteringLoader:
 
     def __getattr__(self, name):  # get_source, get_code, ... as the wrapped loader has them
         return getattr(self._loader, name)
+
+
+# ----------------------------------------------------------------------------- switching it on and off
+def _torch_registry():
+    """torch's registry module (imports torch), or a RuntimeError naming the torch version."""
+    import torch
+
+    registry = getattr(torch.nn.attention, "_registry", None)
+    if registry is None or not hasattr(registry, "activate_flash_attention_impl"):
+        raise RuntimeError(f"torch {torch.__version__} has no flash-attention registry "
+                           "(torch.nn.attention.activate_flash_attention_impl, torch >= 2.11)")
+    return registry
+
+
+def activate() -> None:
+    """Route torch's flash attention (SDPA's flash path, torch.nn.attention.varlen) to jitattn:
+    torch.nn.attention.activate_flash_attention_impl("jitattn"), registering it first if needed."""
+    registry = _torch_registry()
+    if IMPL_NAME not in registry.list_flash_attention_impls():
+        register(registry)
+    registry.activate_flash_attention_impl(IMPL_NAME)
+
+
+def restore() -> None:
+    """Give torch its own flash kernels back if jitattn is the active provider (else do nothing)."""
+    registry = _torch_registry()
+    if registry.current_flash_attention_impl() == IMPL_NAME:
+        registry.restore_flash_attention_impl()
+
+
+def is_active() -> bool:
+    """Whether jitattn is torch's active flash-attention provider."""
+    registry = sys.modules.get(REGISTRY_MODULE)
+    return registry is not None and getattr(registry, "current_flash_attention_impl", lambda: None)() == IMPL_NAME
