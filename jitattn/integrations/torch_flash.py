@@ -39,6 +39,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
+from jitattn.checks import Q_DTYPES as DTYPES, SUPPORTED_HEAD_DIMS as HEAD_DIMS
 from jitattn.errors import JitattnError
 
 log = logging.getLogger("jitattn.torch_flash")
@@ -50,8 +51,6 @@ OVERRIDDEN_OPS = (
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_backward",
 )
-DTYPES = (torch.float16, torch.bfloat16)
-HEAD_DIMS = tuple(range(32, 257, 16))  # jitattn/checks.py SUPPORTED_HEAD_DIMS
 MIN_CAPABILITY = (8, 0)
 MAX_ROWS = 2**31 - 1  # jitattn indexes tokens with 32-bit ints
 
