@@ -114,6 +114,12 @@ def test_import_registers_jitattn_inactive_whichever_is_imported_first():
     assert before_torch == "False True None"  # import jitattn alone does not import torch
 
 
+def test_a_torch_without_the_registry_gets_nothing_and_no_error():
+    import types
+
+    assert torch_registry.register(types.ModuleType("torch.nn.attention._registry")) is False
+
+
 def test_activate_and_restore_round_trip_through_torchs_registry():
     assert "jitattn" in torch.nn.attention.list_flash_attention_impls()
     assert torch.nn.attention.current_flash_attention_impl() is None
