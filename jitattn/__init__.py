@@ -1,10 +1,13 @@
 """jitattn: attention kernels generated and compiled per specialization, cached on disk.
 
 The API functions are imported on first use, so the command line and the cache tools start
-without importing torch. Each kernel family is one folder (jitattn/decode, jitattn/varlen); the
-compiler service that builds, caches and loads their kernels (jitattn/jit) knows none of them.
+without importing torch. `activate()` / `restore()` make torch's own flash attention (SDPA's flash
+path, torch.nn.attention.varlen) run jitattn's kernels (jitattn/integrations/torch_flash.py).
+Each kernel family is one folder (jitattn/decode, jitattn/varlen); the compiler service that
+builds, caches and loads their kernels (jitattn/jit) knows none of them.
 """
 from jitattn._log import setup_logging
+from jitattn.integrations.torch_registry import activate, register_when_torch_loads, restore
 from jitattn.errors import (
     CacheLockTimeout,
     CacheNotWritable,
@@ -28,6 +31,8 @@ __all__ = [
     "single_decode_with_kv_cache",
     "varlen_attn",
     "varlen_attn_out",
+    "activate",
+    "restore",
 ]
 _LAZY = {
     "single_decode_with_kv_cache": "jitattn.decode.api",
@@ -48,3 +53,6 @@ def __getattr__(name: str):
 
 
 setup_logging()
+# "jitattn" in torch's flash-attention registry (jitattn/integrations/torch_registry.py): activates
+# nothing, imports no torch; `jitattn.activate()` / `jitattn.restore()` switch it on and off.
+register_when_torch_loads()

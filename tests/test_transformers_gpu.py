@@ -213,3 +213,31 @@ def test_the_soft_cap_reaches_the_kernels():
     err, moved = rel(ours, want), rel(uncapped, want)
     print(f"\ngemma2 soft cap {SOFT_CAP}: jitattn {err:.2e} from float32 eager; the uncapped model {moved:.2e}")
     assert moved > 10 * err, f"soft cap: capped {err:.2e} vs uncapped {moved:.2e} from float32"
+
+
+def test_the_layers_after_the_first_make_no_host_sync_on_the_gpu():
+    """The padded and dense paths under torch.cuda.set_sync_debug_mode("error"): the first layer
+    of a forward pass reads the mask once; the other layers (same mask) and dense calls never."""
+    if DEVICE != "cuda":
+        pytest.skip("the sync debug mode needs CUDA")
+
+    class Attn(torch.nn.Module):
+        is_causal = True
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(8, 16, 1, 128, dtype=BF16, device="cuda", generator=g)
+    k, v = (torch.randn(8, 4, 320, 128, dtype=BF16, device="cuda", generator=g) for _ in range(2))
+    mask = torch.ones(8, 320, dtype=torch.long, device="cuda")
+    for i in range(8):
+        mask[i, :18 * i] = 0
+    with torch.no_grad():
+        first, _ = jt.attention_forward(Attn(), q, k, v, mask)
+        jt.attention_forward(Attn(), q, k, v, None)  # the dense path's starts made once, outside the check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            later = [jt.attention_forward(Attn(), q, k, v, mask)[0] for _ in range(3)]
+            later += [jt.attention_forward(Attn(), q, k, v, None)[0] for _ in range(3)]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert all(torch.equal(first, out) for out in later[:3])

@@ -150,15 +150,26 @@ def test_a_call_with_grad_packs_keys_and_is_differentiable(calls):
 
 
 @pytest.mark.parametrize("len_q", [9, 1, 3])
-def test_a_padding_mask_unpads_and_pads_back(calls, len_q):
-    """Left padding (generation), the prompt (L_q = L_k), a decode step, a chunk of 3."""
+def test_a_padding_mask_reads_keys_in_place_and_zeroes_padded_rows(calls, len_q):
+    """Left padding (generation), the prompt (L_q = L_k), a decode step, a chunk of 3: keys are
+    read where they lie (row b's run by cu_k and seqused_k), queries stay in their padded rows."""
     q, k, v = qkv(batch=2, len_q=len_q, len_k=9)
     mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9], dtype=torch.bool)
-    out, _ = jt.attention_forward(Attn(), q, k, v, mask)
+    with torch.no_grad():
+        out, _ = jt.attention_forward(Attn(), q, k, v, mask)
     call = calls[-1]
-    assert call["cu_k"].tolist() == [0, 6, 15] and call["max_k"] == 9
+    rows = k.stride(0) // k.stride(2)  # a slot per batch row
+    assert call["k"].data_ptr() - k.data_ptr() == 3 * k.stride(2) * k.element_size() * (len_q == 1)
+    assert call["max_k"] == 9 and call["max_q"] == len_q
+    if len_q == 1:  # one sequence per row; the view starts at row 0's first key
+        assert call["cu_q"].tolist() == [0, 1, 2]
+        assert call["cu_k"].tolist() == [0, rows - 3, rows + 6] and call["seqused_k"].tolist() == [6, 9]
+    else:  # padding before, the run, padding after (no keys), per row
+        valid = mask[:, -len_q:].sum(-1).tolist()
+        assert call["cu_q"].tolist() == [0, len_q - valid[0], len_q, len_q, len_q, 2 * len_q, 2 * len_q]
+        assert call["cu_k"].tolist() == [0, 3, 9, rows, rows, rows + 9, rows + 9]
+        assert call["seqused_k"].tolist() == [0, 6, 0, 0, 9, 0]
     valid_q = mask[:, -len_q:]
-    assert call["cu_q"].tolist() == [0, int(valid_q[0].sum()), int(valid_q.sum())]
     want = sdpa(q, k, v, mask=mask)
     torch.testing.assert_close(out[valid_q].double(), want[valid_q], rtol=0, atol=1e-5)
     assert (out[~valid_q] == 0).all()
@@ -334,3 +345,113 @@ def test_softcap_maps_to_varlen_softcap(calls):
     torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5)
     uncapped, _ = jt.attention_forward(Attn(), q, k, v, None)
     assert (uncapped - out).abs().max() > 1e-2  # the cap changed the result
+
+
+# ---------------------------------------------------------------- host syncs: once per forward pass, not per layer
+SYNCS = {"item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"}
+
+
+class SyncCounter(torch.overrides.TorchFunctionMode):
+    """Counts the tensor calls that read values back to the host (on a GPU: a sync), outside
+    the stand-in for varlen_attn (the float64 reference reads its metadata, the kernels do not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs, self.paused = [], False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.paused and getattr(func, "__name__", "") in SYNCS:
+            self.syncs.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def sync_counter(calls, monkeypatch):
+    counter = SyncCounter()
+    standin = jt._varlen_attn
+
+    def paused(*args, **kwargs):
+        counter.paused = True
+        try:
+            return standin(*args, **kwargs)
+        finally:
+            counter.paused = False
+
+    monkeypatch.setattr(jt, "_varlen_attn", paused)
+    jt._PER_FORWARD.clear()
+    return counter
+
+
+@pytest.mark.parametrize("len_q", [9, 1])
+def test_the_layers_after_the_first_make_no_host_sync(sync_counter, len_q):
+    """The padded path: the first layer of a forward pass reads the mask once; the other layers
+    (the same mask tensor) reuse what it derived. The dense path never reads back."""
+    q, k, v = qkv(batch=2, len_q=len_q, len_k=9)
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9], dtype=torch.bool)
+    per_layer = []
+    with sync_counter, torch.no_grad():
+        for _ in range(4):
+            before = len(sync_counter.syncs)
+            jt.attention_forward(Attn(), q, k, v, mask)
+            per_layer.append(len(sync_counter.syncs) - before)
+        before = len(sync_counter.syncs)
+        for _ in range(3):
+            jt.attention_forward(Attn(), q, k, v, None)
+        dense = len(sync_counter.syncs) - before
+    assert per_layer == [1, 0, 0, 0] and dense == 0, sync_counter.syncs
+
+
+def test_a_new_or_changed_mask_is_read_again(sync_counter):
+    q, k, v = qkv(batch=2, len_q=1, len_k=9)
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9], dtype=torch.bool)
+    with torch.no_grad():
+        first, _ = jt.attention_forward(Attn(), q, k, v, mask)
+        mask[1, :5] = False  # in place: the version changes
+        changed, _ = jt.attention_forward(Attn(), q, k, v, mask)
+        fresh, _ = jt.attention_forward(Attn(), q, k, v, mask.clone())
+    torch.testing.assert_close(changed.double(), sdpa(q, k, v, mask=mask), rtol=0, atol=1e-5)
+    assert not torch.equal(first[1], changed[1]) and torch.equal(changed, fresh)
+
+
+def test_a_padded_forward_pass_makes_as_many_host_reads_with_4_layers_as_with_1(calls, sync_counter):
+    """Whatever transformers itself reads back (mask creation), jitattn's share does not grow
+    with the number of layers."""
+    ids, mask = prompts()
+    counts = {}
+    for layers in (1, 4):
+        config = llama_config()
+        config.num_hidden_layers = layers
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="jitattn").eval()
+        del calls[:], sync_counter.syncs[:]
+        with torch.no_grad(), sync_counter:
+            model(ids, attention_mask=mask)
+        assert len(calls) == layers
+        counts[layers] = list(sync_counter.syncs)
+    assert counts[4] == counts[1], counts
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_right_padding_reads_in_place_and_matches_sdpa(calls, causal):
+    """Right padding (an encoder batch, or a training batch padded on the right), the prompt."""
+    q, k, v = qkv(batch=3, len_q=8, len_k=8)
+    mask = torch.tensor([[1] * 5 + [0] * 3, [1] * 8, [1] * 2 + [0] * 6], dtype=torch.bool)
+    with torch.no_grad():
+        out, _ = jt.attention_forward(Attn(), q, k, v, mask, is_causal=causal)
+    call = calls[-1]
+    assert call["k"].data_ptr() == k.data_ptr() and call["seqused_k"].tolist() == [0, 5, 0, 0, 8, 0, 0, 2, 0]
+    want = sdpa(q, k, v, mask=mask, causal=causal)
+    torch.testing.assert_close(out[mask].double(), want[mask], rtol=0, atol=1e-5)
+    assert (out[~mask] == 0).all()
+
+
+def test_padding_with_grad_packs_keys_and_is_differentiable(calls):
+    q, k, v = (t.requires_grad_() for t in qkv(batch=2, len_q=6, len_k=6))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    out, _ = jt.attention_forward(Attn(), q, k, v, mask)
+    assert calls[-1]["k"].shape == (12, 2, 32)  # packed (B * L_k rows), not a view of the cache
+    g = torch.randn_like(out) * mask[:, :, None, None]
+    grads = torch.autograd.grad((out * g).sum(), (q, k, v))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad((sdpa(*leaves, mask=mask) * g.double()).sum(), leaves)
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5)

@@ -1,39 +1,62 @@
-"""Tokens/s of a transformers model with attn_implementation="jitattn" beside "sdpa", same run.
+"""transformers models with attn_implementation="jitattn" beside "sdpa", in the same run (issue 47's table).
 
-PYTHONPATH=. python tools/bench_transformers.py [--layers 4] [--new 64]
-A random-weight Llama (hidden 2048, 16 query heads of 128 over 4 KV heads, bf16) on the GPU:
-  generate: greedy, batch 8 prompts of 512 tokens, --new tokens each (the KV cache through the
-            model's own DynamicCache); tokens/s = generated tokens / wall time, median of 2
-            after a warm-up.
-  train:    one forward + backward of 8 sequences of 1024 tokens, packed with
-            DataCollatorWithFlattening (jitattn) and as a batch (sdpa: its padding-free path is
-            a 4D mask); tokens/s = tokens / step time, median of 3 after a warm-up.
+PYTHONPATH=. python tools/bench_transformers.py [--layers 4 32] [--new 64] [--profile]
+
+Random weights, bf16, on the GPU. Rows:
+  generate b1 / b8:   a Llama (hidden 2048, 16 query heads of 128 over 4 KV heads), greedy, 256-token
+                      prompts (batch 8: left-padded, lengths 256 down to 130), --new tokens each,
+                      transformers' DynamicCache; tokens/s = generated tokens / wall time.
+  train packed:       one forward + backward of 8 sequences of 1024 tokens packed into one row
+                      (DataCollatorWithFlattening: position_ids restart; sdpa gets its 4D mask).
+  train padded:       the same 8 sequences cut to 1024 down to 576 tokens, right-padded, with the mask.
+  encoder d32 / d64:  a BERT-like encoder (6 layers, hidden 384, 12 heads of 32 / 6 heads of 64),
+                      256 right-padded sentences of 8 to 68 tokens; sentences/s.
+Each case is timed as the median of a few runs after a warm-up, with sdpa and jitattn alternating
+in one process. Then SDPA's flash path (sdpa_kernel(FLASH_ATTENTION)) with torch's own kernels
+beside the same with jitattn active as torch's flash provider (jitattn.activate()), and SDPA's
+default choice, for the cases SDPA can send to flash (no mask): generate b1 and a dense train step.
+--profile prints the host-side profile of one batch-8 decode step per implementation.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
 import torch
 import transformers
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import jitattn
 import jitattn.integrations.transformers as jt
 
+PROMPT, BATCH, SEQ, SENTENCES = 256, 8, 1024, 256
 
-def model(impl: str, layers: int, state=None):
+
+def llama(impl: str, layers: int, state=None):
     config = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                                       num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
                                       max_position_embeddings=4096, bos_token_id=None, eos_token_id=None)
+    return _build(transformers.AutoModelForCausalLM, config, impl, state)
+
+
+def encoder(impl: str, heads: int, state=None):
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=heads,
+                                     intermediate_size=1536, max_position_embeddings=512)
+    return _build(transformers.AutoModel, config, impl, state)
+
+
+def _build(auto, config, impl, state):
     torch.manual_seed(0)
     with torch.device("cuda"):  # initialized on the GPU: seconds less than on the host
-        m = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl, dtype=torch.bfloat16)
+        m = auto.from_config(config, attn_implementation=impl, dtype=torch.bfloat16)
     if state is not None:
         m.load_state_dict(state)
     return m
 
 
-def timed(fn, repeats):
+def timed(fn, repeats: int) -> float:
     fn()
     torch.cuda.synchronize()
     times = []
@@ -45,43 +68,164 @@ def timed(fn, repeats):
     return statistics.median(times)
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--new", type=int, default=64)
-    args = parser.parse_args()
-    jt.register()
-    base = model("sdpa", args.layers)
-    state = base.state_dict()
-    g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(1, 32000, (8, 512), generator=g).cuda()
-    seqs = [torch.randint(1, 32000, (1024,), generator=g).tolist() for _ in range(8)]
-    packed = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
-        [{"input_ids": s, "labels": s} for s in seqs])
-    packed = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in packed.items()}
-    batch = {"input_ids": torch.tensor(seqs).cuda(), "labels": torch.tensor(seqs).cuda()}
-    rows = []
-    for impl in ("sdpa", "jitattn"):
-        m = base if impl == "sdpa" else model(impl, args.layers, state)
-        m.eval()
-        with torch.no_grad():
-            gen = timed(lambda: m.generate(prompts, max_new_tokens=args.new, do_sample=False, pad_token_id=0), 2)
-        m.train()
-        inputs = packed if impl == "jitattn" else batch
+def inputs(g: torch.Generator):
+    """Every case's inputs, made once (the same for both implementations)."""
+    ids = torch.randint(1, 32000, (BATCH, PROMPT), generator=g)
+    mask = torch.ones(BATCH, PROMPT, dtype=torch.long)
+    for i in range(BATCH):  # left padding: prompt i has PROMPT - 18 i tokens
+        ids[i, :18 * i], mask[i, :18 * i] = 0, 0
+    seqs = [torch.randint(1, 32000, (SEQ,), generator=g).tolist() for _ in range(BATCH)]
+    packed = transformers.DataCollatorWithFlattening()([{"input_ids": s, "labels": s} for s in seqs])
+    lengths = [SEQ - 64 * i for i in range(BATCH)]
+    padded_ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    padded_mask = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        padded_ids[i, :n], padded_mask[i, :n] = torch.tensor(seqs[i][:n]), 1
+    labels = padded_ids.masked_fill(padded_mask == 0, -100)
+    sent_lengths = torch.randint(8, 69, (SENTENCES,), generator=g)
+    sent_ids = torch.randint(1, 30522, (SENTENCES, int(sent_lengths.max())), generator=g)
+    sent_mask = (torch.arange(sent_ids.shape[1])[None] < sent_lengths[:, None]).long()
+    cuda = lambda d: {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in d.items()}  # noqa: E731
+    return {
+        "b1": cuda({"input_ids": ids[:1]}),
+        "b8": cuda({"input_ids": ids, "attention_mask": mask}),
+        "packed": cuda(dict(packed)),
+        "padded": cuda({"input_ids": padded_ids, "attention_mask": padded_mask, "labels": labels}),
+        "dense": cuda({"input_ids": torch.tensor(seqs), "labels": torch.tensor(seqs)}),
+        "sentences": cuda({"input_ids": sent_ids * sent_mask, "attention_mask": sent_mask}),
+    }
 
-        def train_step():
-            m.zero_grad(set_to_none=True)
-            m(**inputs).loss.backward()
 
-        step = timed(train_step, 3)
-        rows.append((impl, prompts.shape[0] * args.new / gen, gen, 8 * 1024 / step, step))
+def generate_rate(m, batch, new):
+    m.eval()
+    with torch.no_grad():
+        seconds = timed(lambda: m.generate(**batch, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                           pad_token_id=0), 2)
+    return batch["input_ids"].shape[0] * new / seconds
+
+
+def train_rate(m, batch, tokens):
+    m.train()
+
+    def step():
+        m.zero_grad(set_to_none=True)
+        m(**batch).loss.backward()
+
+    return tokens / timed(step, 3)
+
+
+def encode_rate(m, batch):
+    m.eval()
+    with torch.no_grad():
+        return batch["input_ids"].shape[0] / timed(lambda: m(**batch), 5)
+
+
+def compare(make, case, impls=("sdpa", "jitattn")):
+    """{impl: rate} for one case, each implementation on the same weights."""
+    rates, state = {}, None
+    for impl in impls:
+        m = make(impl, state)
+        state = state or m.state_dict()
+        rates[impl] = case(m)
         del m
         torch.cuda.empty_cache()
-    print(f"\nLlama 2048 hidden, 16/4 heads of 128, {args.layers} layers, bf16, "
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}")
-    print(f"{'attention':10s} {'generate tok/s':>15s} {'(s)':>7s} {'train tok/s':>12s} {'(ms/step)':>10s}")
-    for impl, gen_rate, gen, train_rate, step in rows:
-        print(f"{impl:10s} {gen_rate:15.0f} {gen:7.2f} {train_rate:12.0f} {step * 1e3:10.1f}")
+    return rates
+
+
+def flash_provider_rows(data, layers, new):
+    """SDPA's flash path with torch's kernels, then with jitattn's (the provider), and SDPA's default."""
+    def run(setting):
+        if setting == "default":
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(sdpa_kernel(SDPBackend.FLASH_ATTENTION))
+        if setting == "jitattn":
+            jitattn.activate()
+            stack.callback(jitattn.restore)
+        return stack
+
+    rows = {}
+    for name, make, case in (
+        ("generate b1 tok/s", lambda s: llama("sdpa", layers, s), lambda m: generate_rate(m, data["b1"], new)),
+        ("train dense tok/s", lambda s: llama("sdpa", layers, s), lambda m: train_rate(m, data["dense"], BATCH * SEQ)),
+    ):
+        state, rates = None, {}
+        for setting in ("default", "flash", "jitattn"):
+            m = make(state)
+            state = state or m.state_dict()
+            try:
+                with run(setting):
+                    rates[setting] = case(m)
+            except RuntimeError as exc:  # e.g. SDPA finds no flash-capable call (a mask): say so, go on
+                print(f"{name}, {setting}: {str(exc).splitlines()[0]}")
+                rates[setting] = float("nan")
+            del m
+            torch.cuda.empty_cache()
+        rows[name] = rates
+    return rows
+
+
+def profile_decode(data, layers):
+    """Host time per op of one batch-8 decode step (the prompt's KV cache already filled)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    state = None
+    for impl in ("sdpa", "jitattn"):
+        m = llama(impl, layers, state).eval()
+        state = state or m.state_dict()
+        batch = data["b8"]
+        with torch.no_grad():
+            out = m(**batch, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+            mask = torch.cat([batch["attention_mask"], torch.ones_like(nxt)], 1)
+            for _ in range(3):  # warm
+                m(nxt, attention_mask=mask, past_key_values=out.past_key_values, use_cache=True)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                m(nxt, attention_mask=mask, past_key_values=out.past_key_values, use_cache=True)
+                torch.cuda.synchronize()
+        print(f"\n-- one decode step, batch 8, {layers} layers, {impl}: host time by op")
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20))
+        del m, out
+        torch.cuda.empty_cache()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, nargs="+", default=[4, 32])
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    jt.register()
+    data = inputs(torch.Generator().manual_seed(1))
+    table = []
+    for layers in args.layers:
+        for name, key in (("generate b1 tok/s", "b1"), ("generate b8 padded tok/s", "b8")):
+            table.append((f"{name}, {layers} layers", compare(lambda impl, s: llama(impl, layers, s),
+                                                              lambda m: generate_rate(m, data[key], args.new))))
+    layers = args.layers[0]
+    table.append((f"train packed tok/s, {layers} layers", compare(
+        lambda impl, s: llama(impl, layers, s), lambda m: train_rate(m, data["packed"], BATCH * SEQ))))
+    padded_tokens = int(data["padded"]["attention_mask"].sum())
+    table.append((f"train padded tok/s, {layers} layers", compare(
+        lambda impl, s: llama(impl, layers, s), lambda m: train_rate(m, data["padded"], padded_tokens))))
+    for heads in (12, 6):
+        table.append((f"encoder d{384 // heads} sentences/s", compare(
+            lambda impl, s: encoder(impl, heads, s), lambda m: encode_rate(m, data["sentences"]))))
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"bf16; Llama hidden 2048, 16/4 heads of 128; prompts {PROMPT}, {args.new} new tokens")
+    print(f"{'case':42s} {'sdpa':>10s} {'jitattn':>10s} {'ratio':>7s}")
+    for name, rates in table:
+        print(f"{name:42s} {rates['sdpa']:10.0f} {rates['jitattn']:10.0f} {rates['jitattn'] / rates['sdpa']:6.2f}x")
+    flash = flash_provider_rows(data, layers, args.new)
+    print(f"\nSDPA through torch's flash-attention registry, {layers} layers "
+          "(flash: sdpa_kernel(FLASH_ATTENTION); jitattn: the same with jitattn.activate())")
+    print(f"{'case':42s} {'default':>10s} {'flash':>10s} {'jitattn':>10s} {'vs flash':>9s} {'vs default':>11s}")
+    for name, r in flash.items():
+        print(f"{name:42s} {r['default']:10.0f} {r['flash']:10.0f} {r['jitattn']:10.0f} "
+              f"{r['jitattn'] / r['flash']:8.2f}x {r['jitattn'] / r['default']:10.2f}x")
+    if args.profile:
+        profile_decode(data, layers)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""Front doors into other libraries: each module adapts jitattn to one of them (transformers).
+"""Front doors into other libraries: each module adapts jitattn to one of them (transformers,
+torch's flash-attention registry).
 
-Nothing here is imported by `import jitattn`; a module imports its library only when used.
+`import jitattn` imports only torch_registry (it imports no torch: it puts "jitattn" into torch's
+registry when torch loads); every other module imports its library only when used.
 """

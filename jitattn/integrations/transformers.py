@@ -13,8 +13,16 @@ and needs no flash-attn package. How a call maps (query (B, H_q, L_q, D), key/va
   inference call (no grad) are read where they lie, as slots of a strided view with `seqused_k`
   (a KV cache is never copied); with grad they are packed too.
 - a padding mask (the 2D (B, L_k) mask transformers hands an implementation that registers
-  FlashAttention's mask function, as this one does): unpad -> varlen -> pad, as transformers'
-  flash-attn integration does (queries by the mask's last L_q columns: left padding).
+  FlashAttention's mask function, as this one does), with each row's tokens in one run (left or
+  right padding): keys and values are read in place (inference) with `seqused_k` and per-row
+  starts; queries stay in their padded rows, each row split into three sequences (padding before,
+  tokens, padding after; the padding ones have no keys, so their rows come out zero). Queries are
+  the mask's last L_q columns (left padding, as transformers assumes). A mask with gaps inside a
+  row is unpadded -> varlen -> padded back, as transformers' flash-attn integration does.
+- per forward pass, not per layer: what the mask (or packed position_ids) says is derived by the
+  first layer and reused by the others (`_PER_FORWARD`, keyed by the tensor's identity and
+  version), with one host read per forward pass (the longest row, and whether a row has gaps);
+  the other layers make no host sync. The dense path's sequence starts are made once per shape.
 - packed sequences (batch 1): `cu_seq_lens_q/k` + `max_length_q/k` (DataCollatorWithFlattening
   with return_flash_attn_kwargs=True) or position_ids that restart (its default).
 - `is_causal` -> window (-1, 0); `sliding_window` W -> left W - 1 (a key is seen iff
@@ -26,6 +34,10 @@ Refused with an error naming the argument, never computed some other way: attent
 row when a sliding window is in effect (the window would count tokens, not positions).
 """
 from __future__ import annotations
+
+import collections
+import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -122,20 +134,47 @@ def _dense(query, key, value, common):
     """Each batch row one sequence of L_q queries over L_k keys."""
     batch, heads_q, len_q, head_dim = query.shape
     len_k = key.shape[2]
-    device = query.device
     q = query.transpose(1, 2).reshape(batch * len_q, heads_q, head_dim)
-    cu_q = torch.arange(0, (batch + 1) * len_q, len_q, dtype=torch.int32, device=device)
     grad = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
     slots = None if grad or batch == 1 else (_slots(key), _slots(value))
     if slots is not None and slots[0] is not None and slots[1] is not None and slots[0][1] == slots[1][1]:
         (k, rows), (v, _) = slots
-        cu_k = torch.arange(0, batch * rows + 1, rows, dtype=torch.int32, device=device)
-        cu_k[-1] = (batch - 1) * rows + len_k  # the last slot ends with the tensor
-        used = torch.full((batch,), len_k, dtype=torch.int32, device=device)
+        cu_q, cu_k, used = _dense_starts(batch, len_q, len_k, rows, query.device)
         return _varlen_attn(q, k, v, cu_q, cu_k, len_q, len_k, seqused_k=used, **common)
     k, v = (t.transpose(1, 2).reshape(batch * len_k, t.shape[1], head_dim) for t in (key, value))
-    cu_k = torch.arange(0, (batch + 1) * len_k, len_k, dtype=torch.int32, device=device)
+    cu_q, cu_k, _ = _dense_starts(batch, len_q, len_k, len_k, query.device)
     return _varlen_attn(q, k, v, cu_q, cu_k, len_q, len_k, **common)
+
+
+_DENSE_STARTS: dict = {}
+
+
+def _dense_starts(batch: int, len_q: int, len_k: int, rows: int, device: torch.device):
+    """(cu_q, cu_k, seqused_k) of B dense rows whose keys are slots of `rows` rows (the last slot
+    ends with the tensor): made once per shape and device, not per layer and step."""
+    key = (batch, len_q, len_k, rows, device)
+    starts = _DENSE_STARTS.get(key)
+    if starts is None:
+        cu_q = torch.arange(0, (batch + 1) * len_q, len_q, dtype=torch.int32, device=device) if len_q \
+            else torch.zeros(batch + 1, dtype=torch.int32, device=device)
+        cu_k = torch.arange(0, batch * rows + 1, rows, dtype=torch.int32, device=device) if rows \
+            else torch.zeros(batch + 1, dtype=torch.int32, device=device)
+        cu_k[-1] = (batch - 1) * rows + len_k
+        used = torch.full((batch,), len_k, dtype=torch.int32, device=device)
+        starts = (cu_q, cu_k, used)
+        if _cacheable(device):
+            if len(_DENSE_STARTS) >= 64:
+                _DENSE_STARTS.pop(next(iter(_DENSE_STARTS)))
+            _DENSE_STARTS[key] = starts
+    return starts
+
+
+def _cacheable(device: torch.device) -> bool:
+    """Whether a tensor made now may be kept for later calls: not while torch.compile traces (it
+    would be a fake tensor) nor inside CUDA graph capture (its values exist only on replay)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def _slots(t: torch.Tensor):
@@ -155,11 +194,131 @@ def _slots(t: torch.Tensor):
 
 
 def _padded(query, key, value, mask, common, windowed: bool):
-    """Unpad by the 2D mask -> varlen -> pad (zeros on padded query rows)."""
+    """A padding mask whose rows each hold one run of tokens: in place, no host sync after the
+    forward pass's first layer (the module docstring); a mask with gaps: `_unpadded`."""
     batch, heads_q, len_q, head_dim = query.shape
-    mask = mask.to(device=query.device, dtype=torch.bool)
     if key.shape[2] > mask.shape[1]:  # a static cache longer than the mask: only the mask's keys
         key, value = key[:, :, :mask.shape[1]], value[:, :, :mask.shape[1]]
+    len_k = key.shape[2]
+    grad = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
+    slots = None if grad else (_slots(key), _slots(value))
+    if slots is not None and slots[0] is not None and slots[1] is not None and slots[0][1] == slots[1][1]:
+        (k, rows), (v, _) = slots
+    else:
+        k, v = (t.transpose(1, 2).reshape(batch * len_k, t.shape[1], head_dim) for t in (key, value))
+        rows = len_k
+    plan = _PER_FORWARD.get(mask, query.device, (len_q, len_k, rows),
+                            lambda: _mask_plan(mask, len_q, len_k, rows, query.device))
+    if plan.gaps:
+        if windowed:
+            raise ValueError("jitattn attention: a padding mask with gaps inside a row cannot be expressed with a "
+                             "sliding window (the window would count the unpadded tokens, not positions); pad on "
+                             "one side only, or use attn_implementation='sdpa'")
+        return _unpadded(query, key, value, mask, common)
+    if plan.key_offset:
+        k, v = k[plan.key_offset:], v[plan.key_offset:]
+    q = query.transpose(1, 2).reshape(batch * len_q, heads_q, head_dim)
+    return _varlen_attn(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, seqused_k=plan.used, **common)
+
+
+class _MaskPlan(NamedTuple):
+    """A padding mask as varlen arguments over padded query rows and keys read in place."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    used: torch.Tensor
+    max_q: int
+    max_k: int
+    key_offset: int  # cu_k counts from this row of the keys (cu_seq_k starts at 0)
+    gaps: bool  # some row's tokens are not one run: this plan is not used
+
+
+def _mask_plan(mask: torch.Tensor, len_q: int, len_k: int, rows: int, device: torch.device) -> _MaskPlan:
+    """Row b's keys are the mask's run [first_b, first_b + n_b), in the slot starting at row
+    b * rows of the keys. One query per row (decode): sequence b is query row b. More: row b's
+    L_q query rows are three sequences, the padding before its run of valid queries (the mask's
+    last L_q columns), the run, and the padding after; the padding ones get no keys (zero rows).
+    One host read: the longest runs, and whether any row has gaps."""
+    mask = mask.to(device=device, dtype=torch.bool)
+    batch = mask.shape[0]
+    first_k, count_k, gaps_k = _runs(mask)
+    slot = torch.arange(batch, dtype=torch.int32, device=device) * rows
+    start_k = slot + first_k
+    end = torch.tensor([(batch - 1) * rows + len_k], dtype=torch.int32, device=device)
+    if len_q == 1:  # the keys' view starts at row 0's first key, so that cu_k starts at 0
+        cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        host = torch.stack([gaps_k.any().int(), count_k.max(), first_k[0]]).tolist()
+        offset = int(host[2])
+        return _MaskPlan(cu_q, torch.cat([start_k, end]) - offset, count_k, 1, int(host[1]), offset, bool(host[0]))
+    q_mask = mask[:, -len_q:]
+    first_q, count_q, gaps_q = _runs(q_mask)
+    first_q = torch.where(count_q > 0, first_q, len_q)  # no valid query: all of the row is padding before
+    row_q = torch.arange(batch, dtype=torch.int32, device=device) * len_q
+    zero = torch.zeros_like(count_k)
+    cu_q = torch.cat([torch.stack([row_q, row_q + first_q, row_q + first_q + count_q], 1).flatten(),
+                      torch.tensor([batch * len_q], dtype=torch.int32, device=device)])
+    cu_k = torch.cat([torch.stack([slot, start_k, start_k + count_k], 1).flatten(), end])
+    used = torch.stack([zero, count_k, zero], 1).flatten()
+    host = torch.stack([(gaps_k | gaps_q).any().int(), count_k.max()]).tolist()
+    return _MaskPlan(cu_q, cu_k, used, len_q, int(host[1]), 0, bool(host[0]))
+
+
+def _runs(mask: torch.Tensor):
+    """Per row of a bool mask: (index of the first True (0 if none), number of Trues, whether the
+    Trues are not one run), int32 / bool tensors, no host sync."""
+    count = mask.sum(-1, dtype=torch.int32)
+    as_int = mask.to(torch.int8)
+    first = as_int.argmax(-1).to(torch.int32)  # the first maximum
+    last = mask.shape[-1] - 1 - as_int.flip(-1).argmax(-1).to(torch.int32)
+    first = torch.where(count > 0, first, 0)
+    gaps = (count > 0) & (last - first + 1 != count)
+    return first, count, gaps
+
+
+class _PerForward:
+    """Values derived from a tensor the model hands every layer of one forward pass (the padding
+    mask, position_ids): the first layer computes, the others reuse. Keyed by the tensor's
+    identity (a weak reference: a new step's mask is a new tensor) and version (an in-place
+    change misses), plus what else the value depends on."""
+
+    def __init__(self, size: int = 8):
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+        self._size = size
+
+    def get(self, tensor: torch.Tensor, device: torch.device, extra: tuple, make):
+        """make(), or what it returned for this tensor (unchanged), device (where the value's
+        tensors live: the layers of one model may sit on several GPUs) and extra."""
+        if not _cacheable(device):
+            return make()
+        version = _version(tensor)
+        key = (id(tensor), device, extra)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is tensor and entry[1] == version:
+            return entry[2]
+        value = make()
+        self._entries[key] = (weakref.ref(tensor), version, value)
+        while len(self._entries) > self._size:
+            self._entries.popitem(last=False)
+        return value
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def _version(tensor: torch.Tensor):
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor has no version counter (nor can it change outside inference mode)
+        return None
+
+
+_PER_FORWARD = _PerForward()
+
+
+def _unpadded(query, key, value, mask, common):
+    """Unpad by the 2D mask -> varlen -> pad (zeros on padded query rows): masks with gaps."""
+    batch, heads_q, len_q, head_dim = query.shape
+    mask = mask.to(device=query.device, dtype=torch.bool)
     len_k = key.shape[2]
     lens_k = mask.sum(-1, dtype=torch.int32)
     cu_k = torch.nn.functional.pad(torch.cumsum(lens_k, 0, dtype=torch.int32), (1, 0))
@@ -175,15 +334,7 @@ def _padded(query, key, value, mask, common, windowed: bool):
         lens_q = q_mask.sum(-1, dtype=torch.int32)
         cu_q = torch.nn.functional.pad(torch.cumsum(lens_q, 0, dtype=torch.int32), (1, 0))
         rows_q = q_mask.flatten().nonzero().flatten()
-    # One host read for the lengths (and, with a window, whether a row has gaps).
-    stats = [lens_k.max(), lens_q.max() if lens_q is not None else lens_k.max()]
-    if windowed:
-        stats.append(((mask[:, 1:] & ~mask[:, :-1]).sum(-1) + mask[:, 0]).max())
-    host = torch.stack(stats).tolist()
-    if windowed and host[2] > 1:
-        raise ValueError("jitattn attention: a padding mask with gaps inside a row cannot be expressed with a "
-                         "sliding window (the window would count the unpadded tokens, not positions); pad on one "
-                         "side only, or use attn_implementation='sdpa'")
+    host = torch.stack([lens_k.max(), lens_q.max() if lens_q is not None else lens_k.max()]).tolist()
     max_k, max_q = int(host[0]), (1 if rows_q is None else int(host[1]))
     q = q_all if rows_q is None else q_all[rows_q]
     out = _varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **common)
@@ -206,6 +357,11 @@ def _packed_lengths(batch, len_q, len_k, device, kwargs):
     position_ids = kwargs.get("position_ids")
     if batch != 1 or position_ids is None or len_q != len_k or len_q < 2:
         return None  # decode steps (L_q < L_k) and batches of rows are never packed
+    return _PER_FORWARD.get(position_ids, device, ("restarts",), lambda: _restarts(position_ids, device))
+
+
+def _restarts(position_ids: torch.Tensor, device: torch.device):
+    """((cu, cu), (longest, longest)) of the sequences position_ids restart at; None for one sequence."""
     flat = position_ids.reshape(-1).to(device)
     starts = (flat == flat.min()).nonzero().flatten().to(torch.int32)  # (a sync, as in transformers' own)
     if starts.numel() <= 1:
