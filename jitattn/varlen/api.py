@@ -5,9 +5,11 @@ See shared/spec/varlen.md. The public functions: each checks its arguments once 
 which the eager call and the registered custom ops (jitattn/varlen/ops.py) share.
 
 Eager calls skip the torch.library dispatcher (its Python custom-op path costs more than the
-whole launch); under torch.compile the public functions call the registered ops instead, which
-the compiler treats as opaque and shapes through their fake kernels, and calls that autograd
-must record (an input requires grad) go through the op too, as it carries the backward formula.
+whole launch, and its first call imports torch._dynamo); eager calls that autograd must record
+(an input requires grad) go through `EagerVarlenAttn` (jitattn/varlen/backward.py), a plain
+autograd.Function with the op's launches and formula. Under torch.compile, functorch transforms
+and Python dispatch modes the public functions call the registered ops instead, which the
+compiler treats as opaque and shapes through their fake kernels.
 The ops are registered on first use of either (`ops_registered`), or by `import jitattn.varlen.ops`.
 """
 from __future__ import annotations
@@ -33,6 +35,16 @@ def ops_registered() -> bool:
     import jitattn.varlen.ops  # noqa: F401
 
     return True
+
+
+def _needs_the_op() -> bool:
+    """Whether a call that needs grad must go through the custom op: torch.compile (and export)
+    trace it, functorch transforms (vmap, grad) and Python dispatch modes (FakeTensorMode, a
+    FlopCounter, an op logger) must see it; plain eager autograd does not need it."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or _get_current_dispatch_mode() is not None)
 
 
 def varlen_attn(
@@ -68,7 +80,17 @@ def varlen_attn(
     """
     want_lse = return_aux is not None and getattr(return_aux, "lse", False) is True
     grad = needs_grad(query, key, value)
-    if grad or torch.compiler.is_compiling():
+    if grad and not _needs_the_op():
+        # Eager with grad: the op's launches and formula without the dispatcher, whose first
+        # custom-op call imports torch._dynamo (why: notes/first-call.md).
+        from jitattn.varlen.backward import EagerVarlenAttn, check_differentiable
+
+        check_differentiable(block_table)
+        call = varlen_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                           window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
+                           num_splits=num_splits, return_aux=AuxRequest(lse=True), softcap=softcap)
+        out, lse = EagerVarlenAttn.apply(forward, call, list(window_size), query, key, value)
+    elif grad or torch.compiler.is_compiling():
         # The op carries the autograd formula, which needs the lse: asked for whenever grad is.
         ops_registered()
         if grad:

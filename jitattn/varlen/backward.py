@@ -36,6 +36,37 @@ def check_differentiable(block_table) -> None:
         raise NotImplementedError(PAGED_NOT_DIFFERENTIABLE)
 
 
+# ---------------------------------------------------------------- eager calls with grad
+class EagerVarlenAttn(torch.autograd.Function):
+    """varlen_attn for eager calls that need grad (non-paged): the forward launch of
+    jitattn::varlen_attn and the backward launches of jitattn::varlen_attn_backward, recorded by
+    autograd directly, so a trainer that never compiles does not pay the dispatcher's first-call
+    import of torch._dynamo; torch.compile, functorch and dispatch modes still get the op
+    (api._needs_the_op)."""
+
+    @staticmethod
+    def forward(ctx, forward, call, window_size, query, key, value):
+        """`forward`: jitattn/varlen/forward.py's, as the caller (api.py) holds it; `call` the
+        checked call (its tensors are query, key, value: passed again so autograd sees them);
+        `window_size` as the user gave it, for the backward's own clamping."""
+        out, lse = forward(call)
+        ctx.save_for_backward(query, key, value, call.cu_seq_q, call.cu_seq_k, call.seqused_k, out, lse)
+        ctx.scale, ctx.max_q, ctx.max_k, ctx.softcap = call.scale, call.max_q, call.max_k, call.softcap
+        ctx.window = [int(w) for w in window_size]
+        ctx.set_materialize_grads(False)  # an unused lse gets no zero gradient to fold in
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        query, key, value, cu_seq_q, cu_seq_k, seqused_k, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv = _launch.backward(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k,
+                                      seqused_k, scale=ctx.scale, window_size=ctx.window, max_q=ctx.max_q,
+                                      max_k=ctx.max_k, softcap=ctx.softcap)
+        return None, None, None, dq, dk, dv  # forward, call, window_size: not differentiable
+
+
 # ---------------------------------------------------------------- autograd formula of jitattn::varlen_attn
 def setup_context(ctx, inputs, output) -> None:
     (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa,
