@@ -77,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     unpack.add_argument("--into", type=Path, help="target cache root, e.g. a seed dir (default: the writable root)")
     unpack.add_argument("--arch", help="only accept entries with code for these archs, e.g. '9.0'")
     unpack.add_argument("--max-member-mb", type=float, default=512, help="largest file accepted (default 512)")
+    unpack.add_argument("--max-total-mb", type=float, default=4096, help="most bytes unpacked in all (default 4096)")
     unpack.set_defaults(handler=cmd_cache_unpack)
     push = csub.add_parser("push", help="publish verified entries of the writable root to the fleet tier "
                                          "(JITATTN_REMOTE_CACHE)")
@@ -381,11 +382,12 @@ def cmd_cache_unpack(args) -> int:
     from jitattn.jit import artifact
 
     archs = toolchain.parse_arch_list(args.arch) if args.arch else None
-    if args.max_member_mb <= 0:
-        raise ValueError(f"--max-member-mb must be > 0, got {args.max_member_mb}")
+    for flag, value in (("--max-member-mb", args.max_member_mb), ("--max-total-mb", args.max_total_mb)):
+        if not 0 < value < float("inf"):
+            raise ValueError(f"{flag} must be a number > 0, got {value}")
     target = args.into or env.cache_dir()
-    report = artifact.unpack(args.archive, target, archs=archs,
-                             max_member_bytes=int(args.max_member_mb * 2**20))
+    report = artifact.unpack(args.archive, target, archs=archs, max_member_bytes=int(args.max_member_mb * 2**20),
+                             max_total_bytes=int(args.max_total_mb * 2**20))
     for entry in report.accepted:
         note = "already present" if entry.status == "present" else "added"
         print(f"accepted {entry.path} ({note})")

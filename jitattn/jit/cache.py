@@ -15,10 +15,13 @@ import shutil
 import time
 from pathlib import Path
 
+from jitattn.jit import bounded_json
+
 MANIFEST = "manifest.json"
 LIBRARY = "module.so"
 STAGING = "staging"
 LOCKS = "locks"
+MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few KiB; one read from an untrusted entry is bounded
 STAMPS = "verified"  # <writable root>/verified/: which module.so files a full hash verified (see read_entry)
 
 
@@ -74,7 +77,7 @@ def read_entry(path: Path, key: str | None = None, stamps: Path | None = None) -
     the whole library. Any rewrite or replacement of the file changes its ctime or inode (ctime
     cannot be set from user space), so it is hashed again; `cache verify` always hashes."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = bounded_json.read(path / MANIFEST, max_bytes=MAX_MANIFEST_BYTES)
         lib = manifest["library"]
         if key is not None and manifest["key"] != key:
             return None
@@ -131,7 +134,7 @@ def why_invalid(path: Path) -> str | None:
     if not mf.exists():
         return "no manifest.json (unfinished or killed build)"
     try:
-        manifest = json.loads(mf.read_text())
+        manifest = bounded_json.read(mf, max_bytes=MAX_MANIFEST_BYTES)
         lib = manifest["library"]
         expected_dir = f"-{manifest['key'][:16]}"
     except (OSError, ValueError, KeyError, TypeError) as exc:
