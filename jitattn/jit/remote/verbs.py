@@ -46,6 +46,8 @@ def push(fleet: FleetTier, root: Path, specs=None) -> Report:
             continue
         status = fleet.share(entry, rel)
         ok = status in ("published", "present", "replaced")
+        if ok:
+            fleet.heal_alias(entry)  # the real key listed first-class again, junk members trimmed
         report.moved.append(Moved(rel, status if ok else "failed", "" if ok else status))
     for spec in specs or []:
         if id(spec) not in found:
@@ -60,13 +62,14 @@ def pull(fleet: FleetTier, specs) -> Report:
 
     report = Report()
     for spec in specs:
-        found = loader._lookup(spec)
-        if found.entry is not None:
-            report.moved.append(Moved(spec.name, "present", str(found.entry.path)))
+        wanted = loader.wanted(spec)
+        present = loader.find_local(wanted)
+        if present is not None:
+            report.moved.append(Moved(spec.name, "present", str(present.path)))
             continue
-        entry, note = fleet.pull(spec, found.archs, found.arch_tag, found.build)
-        if entry is None and found.build is not None:
-            entry, other = fleet.pull(spec, found.archs, found.arch_tag, None)
+        entry, note = fleet.pull(wanted)  # the exact key first
+        if entry is None and wanted.key is not None:
+            entry, other = fleet.pull(wanted.any_toolchain())
             note = note if entry is None else f"{other} (built with nvcc {entry.components.get('nvcc')}, " \
                                               f"{entry.components.get('host_cxx')}: strict mode serves it)"
         report.moved.append(Moved(spec.name, "pulled" if entry else "missing", str(entry.path) if entry else note))
