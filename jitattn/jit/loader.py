@@ -105,14 +105,14 @@ def _first_use(spec: KernelSpec) -> LoadedModule:
 
 
 def build_and_load(spec: KernelSpec, force: bool = False) -> LoadedModule:
-    """The cold path: ask the remote tiers (unless `force`), then lock the key, look again,
-    build, publish to every tier, load. `force` rebuilds even over a valid entry (replacing it)
-    and takes no fleet lock. Raises MissingSpecializationError (strict mode) or ToolchainError
-    when nothing can be found and this process cannot build."""
+    """The cold path: pull from a remote tier, else lock the key, look again, build, publish to
+    every tier, load. `force` rebuilds over a valid entry (replacing it), asks no remote tier and
+    waits for no other builder. Raises MissingSpecializationError (strict mode) or ToolchainError when
+    nothing can be found and this process cannot build."""
     global PULL_COUNT
-    chain = tiers.from_env()
-    want = wanted(spec)
-    notes: list[str] = []
+    from jitattn.jit.lock import key_lock
+
+    chain, want, notes = tiers.from_env(), wanted(spec), []
     if force:
         notes.append("not asked (forced rebuild)" if any(t.remote for t in chain) else tiers.NO_REMOTE)
     else:
@@ -122,7 +122,23 @@ def build_and_load(spec: KernelSpec, force: bool = False) -> LoadedModule:
             return _load(spec, entry)
     if want.key is None:
         raise _cannot_build(spec, want, chain, notes)
-    return _build_locked(spec, want, chain, force)
+    home = tiers.writable(chain)
+    _check_buildable_here(spec, want, home.root)
+    with key_lock(home.root / cache.LOCKS, want.key, spec.name, env.lock_timeout()):
+        entry = None if force else home.find(want)  # another process may have built it meanwhile
+        if entry is not None:
+            return _load(spec, entry)
+        # One build per fleet: a tier may hand over what another node built while this one waited.
+        with tiers.build_turns(chain, want, force) as (handed, by):
+            if handed is not None:
+                PULL_COUNT += 1 if by.remote else 0
+                return _load(spec, handed)
+            entry = _build(spec, want, home, force)
+            for tier in chain:
+                if tier is not home:
+                    tier.publish(entry, want)  # before the build turns end, so waiters find it
+    # load_inline already loaded the library from staging; register it under its entry.
+    return _register(spec, entry)
 
 
 def _cannot_build(spec, want: tiers.Wanted, chain, notes: list[str]) -> Exception:
@@ -141,60 +157,44 @@ def _cannot_build(spec, want: tiers.Wanted, chain, notes: list[str]) -> Exceptio
     return type(error)(f"{error}\n  remote: {'; '.join(notes)}")
 
 
-def _build_locked(spec, want: tiers.Wanted, chain, force: bool) -> LoadedModule:
-    global COMPILE_COUNT, PULL_COUNT
-    from jitattn.jit.lock import key_lock
-
-    home = tiers.writable(chain)
-    root = home.root
+def _check_buildable_here(spec, want: tiers.Wanted, root: Path) -> None:
     _ensure_writable(root)
-    namespace = op_namespace(spec, want.key)
-    if namespace in _loaded_namespaces:
+    if op_namespace(spec, want.key) in _loaded_namespaces:
         # Loading a second library that registers the same ops would abort the process.
         raise RuntimeError(
             f"{spec.name} (key {want.key[:16]}) is already loaded in this process and cannot be rebuilt "
             "here; rebuild it from a fresh process, e.g. `jitattn prewarm --force`"
         )
+
+
+def _build(spec, want: tiers.Wanted, home: tiers.DirTier, force: bool) -> cache.CacheEntry:
+    """Compile `spec` in a staging dir and publish it into the writable tier (under the key's
+    lock); the verified entry."""
+    global COMPILE_COUNT
     final = home.entry_path(want)
-    with key_lock(root / cache.LOCKS, want.key, spec.name, env.lock_timeout()):
-        if not force:
-            entry = home.find(want)  # another process may have built it while this one waited
-            if entry is not None:
-                return _load(spec, entry)
-        # One build per fleet: a tier may hand over what another node built while this one waited.
-        with tiers.build_turns(chain, want, force) as (handed, by):
-            if handed is not None:
-                if by.remote:
-                    PULL_COUNT += 1
-                return _load(spec, handed)
-            reason = "forced" if force else "miss"
-            if not force and final.exists():
-                reason = f"corrupt entry ({cache.why_invalid(final)})"
-            staging = cache.new_staging_dir(root)
-            try:
-                seconds = _compile(spec, want, staging, root, namespace, reason, final)
-                entry = home.commit(staging, want, replace=force)
-            finally:
-                if staging.exists():
-                    shutil.rmtree(staging, ignore_errors=True)
-            COMPILE_COUNT += 1
-            log.info("compiled %s in %.1f s -> %s", spec.name, seconds, final)
-            if entry is None:
-                raise cache_error(final)
-            for tier in chain:
-                if tier is not home:
-                    tier.publish(entry, want)  # before the build turns end, so waiters find it
-    # load_inline already loaded the library from staging; register it under its entry.
-    return _register(spec, entry)
+    reason = "forced" if force else f"corrupt entry ({cache.why_invalid(final)})" if final.exists() else "miss"
+    staging = cache.new_staging_dir(home.root)
+    try:
+        seconds = _compile(spec, want, staging, home.root, reason, final)
+        entry = home.commit(staging, want, replace=force)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    COMPILE_COUNT += 1
+    log.info("compiled %s in %.1f s -> %s", spec.name, seconds, final)
+    if entry is None:
+        raise cache_error(final)
+    return entry
 
 
-def _compile(spec, want: tiers.Wanted, staging: Path, root: Path, namespace: str, reason: str, final: Path) -> float:
+def _compile(spec, want: tiers.Wanted, staging: Path, root: Path, reason: str, final: Path) -> float:
     """Render and compile `spec` into `staging`, manifest last; the compile's seconds."""
     import socket
 
     from jitattn.jit.build import compile_library
     from jitattn.jit.render import render
 
+    namespace = op_namespace(spec, want.key)
     sources = render(spec, namespace)
     for name, text in sources.items():
         (staging / name).write_text(text)

@@ -1,16 +1,19 @@
 """The fleet tier: one Redis server whose entries every node's cache can pull.
 
-The loader asks it only after a local miss (`FleetTier.pull`), so a process whose entries are
-local never imports redis or connects. A build takes the fleet's lock for its key after the
-node's file lock (`FleetTier.build_turn`): nodes that ask for the same cold spec at once wait
-for one builder and pull its result, and the builder publishes first-writer-wins (`share`).
+A cache tier (`jit.tiers`) that the loader asks only after every local tier missed
+(`FleetTier.find`), so a process whose entries are local never imports redis or connects. A
+build takes the fleet's lock for its key after the node's file lock (`FleetTier.build_turn`):
+nodes that ask for the same cold spec at once wait for one builder and pull its result, and the
+builder publishes first-writer-wins (`publish` / `share`).
 
-Every value read is untrusted (`envelope`): verified, authenticated with the fleet secret
-(`jitattn.jit.signing`) and materialized into the local root through staging + one rename, so
-the warm path stays local. Every fault of the server (down, slow, restarted, flushed, full, a
-foreign value) is logged once per process and the call goes on locally: a build, or strict
-mode's error. Each command is bounded by the connect/command timeouts, each wait by
-JITATTN_LOCK_TIMEOUT; a server that cannot be reached is not asked again for RETRY_AFTER_S.
+Every value read is untrusted (`envelope`): bounded, verified, authenticated with the fleet
+secret (`jitattn.jit.signing`) and materialized into the local root through staging + one
+rename, so the warm path stays local. Every fault of the server (down, slow, restarted,
+flushed, full, a malformed reply, a foreign value) is logged once per process and the call goes
+on locally: a build, or strict mode's error. Each remote operation is bounded by one deadline
+and a byte bound (`store`), each wait by the lock's TTL and JITATTN_LOCK_TIMEOUT; a server that
+cannot be reached is not asked again for RETRY_AFTER_S. What a Redis writer can and cannot do:
+docs/threat-model.md.
 """
 from __future__ import annotations
 

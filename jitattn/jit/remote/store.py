@@ -1,6 +1,8 @@
-"""The Redis side of the fleet tier: one client whose every command is bounded by the connect
-and command timeouts, and whose every failure becomes a `RemoteFault` for the tier to log and
-go on from. The only module that imports redis (the optional extra `jitattn[redis]`).
+"""The Redis side of the fleet tier: one client whose every operation ends by one deadline (the
+connect timeout plus the command timeout, for the connect and every read and write together),
+receives at most a byte bound, and whose every failure, malformed replies included, becomes a
+`RemoteFault` for the tier to log and go on from. The only module that imports redis (the
+optional extra `jitattn[redis]`).
 """
 from __future__ import annotations
 
@@ -57,8 +59,12 @@ class _Budget(threading.local):
 _budget = _Budget()
 
 
-class BudgetExceeded(socket.timeout):
-    """The operation's deadline passed, or it received more bytes than it may."""
+class DeadlinePassed(socket.timeout):
+    """The operation's deadline passed (redis-py reports it as a TimeoutError)."""
+
+
+class TooManyBytes(OSError):
+    """The operation received more bytes than it may (redis-py reports a ConnectionError)."""
 
 
 class _BoundedSocket:
@@ -85,7 +91,7 @@ class _BoundedSocket:
             return
         left = deadline - time.monotonic()
         if left <= 0:
-            raise BudgetExceeded("the remote operation ran past its deadline")
+            raise DeadlinePassed("the remote operation ran past its deadline")
         self._sock.settimeout(left if self._timeout is None else min(self._timeout, left))
 
     def _count(self, n: int) -> None:
@@ -93,7 +99,7 @@ class _BoundedSocket:
             return
         _budget.bytes_left -= n
         if _budget.bytes_left < 0:
-            raise BudgetExceeded("the server sent more bytes than the operation may receive")
+            raise TooManyBytes("the server sent more bytes than the operation may receive")
 
     def recv(self, size, *flags):
         self._arm()
@@ -138,7 +144,7 @@ def _bounded_connection(base):
             if _budget.deadline is not None:
                 left = _budget.deadline - time.monotonic()
                 if left <= 0:
-                    raise BudgetExceeded("the remote operation ran past its deadline")
+                    raise DeadlinePassed("the remote operation ran past its deadline")
                 self.socket_connect_timeout = left if saved is None else min(saved, left)
             try:
                 return _BoundedSocket(super()._connect())
