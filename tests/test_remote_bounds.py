@@ -290,3 +290,28 @@ def test_the_fleet_lock_a_build_holds_always_carries_a_ttl(fleet, monkeypatch):
     assert_local_build(get(SPEC))
     assert len(seen) == 1 and 0 < seen[0] <= 7000
     assert fleet.server.client().exists(name) == 0  # released after the build
+
+
+# ----------------------------------------------------------------------------- doctor, explain, pull
+
+
+def test_doctor_explain_and_pull_report_a_misbehaving_server_instead_of_raising(fleet, fake_server, capsys, tmp_path):
+    fake = fake_server({b"INFO": _deep, b"GETRANGE": _deep, b"STRLEN": _deep, b"SCARD": _deep})
+    fleet.use("b", JITATTN_REMOTE_CACHE=fake.url, JITATTN_REMOTE_CACHE_TIMEOUT="0.5")
+    assert cli.main(["doctor"]) == 0
+    assert "UNREACHABLE" in capsys.readouterr().out
+    fleet.fresh_process()
+    assert cli.main(["explain", "--head-dim", "64", "--group-size", "2"]) == 0
+    assert "(unreachable: GETRANGE" in capsys.readouterr().out
+    fleet.fresh_process()
+    manifest = tmp_path / "m.toml"
+    manifest.write_text('[[spec]]\nfamily = "decode"\nhead_dim = 64\ngroup_tile = 2\n')
+    assert cli.main(["cache", "pull", "--manifest", str(manifest)]) == 1
+    assert "MISSING" in capsys.readouterr().out
+
+
+def test_explain_names_a_value_whose_header_nests_deep_as_foreign(fleet, capsys):
+    fleet.use("a")
+    fleet.server.client().set(remote.entry_name(fleet.key(SPEC)), envelope.MAGIC + b"[" * 5000 + b"]" * 5000 + b"\n")
+    assert cli.main(["explain", "--head-dim", "64", "--group-size", "2"]) == 0
+    assert "(a FOREIGN value (not a jitattn entry))" in capsys.readouterr().out

@@ -108,7 +108,7 @@ def _stamp_file(stamps: Path, so: Path) -> Path:
 def _stamped(stamps: Path, so: Path, st: os.stat_result, sha256: str) -> bool:
     """Whether a full hash verified this very file (same identity) as having `sha256`."""
     try:
-        stamp = json.loads(_stamp_file(stamps, so).read_text())
+        stamp = bounded_json.read(_stamp_file(stamps, so), max_bytes=MAX_MANIFEST_BYTES)
     except (OSError, ValueError):
         return False
     return (isinstance(stamp, dict) and stamp.get("path") == os.path.abspath(so) and stamp.get("sha256") == sha256

@@ -94,6 +94,8 @@ def survey(fleet: FleetTier, limit: int = 10000) -> dict:
         out.update(entries=len(names), more=more, signing=counts)
     except RemoteFault as fault:
         out["error"] = str(fault)
+    except Exception as exc:  # whatever a misbehaving server makes of the survey: a report, not a crash
+        out["error"] = f"{type(exc).__name__}: {exc}"[:300]
     return out
 
 
@@ -103,6 +105,8 @@ def status_of(fleet: FleetTier, key: str) -> str:
         head = fleet.store.head(entry_name(key), envelope.HEAD_BYTES)
     except RemoteFault as fault:
         return f"unreachable: {fault}"
+    except Exception as exc:
+        return f"unavailable: {type(exc).__name__}: {exc}"[:300]
     if not head:
         return "absent"
     how = _signed_by(fleet, head)
