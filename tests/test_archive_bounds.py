@@ -121,6 +121,18 @@ class _Zeros(io.RawIOBase):
         return b"\0" * n
 
 
+def test_a_gzip_archive_that_would_inflate_a_hundredfold_is_rejected_under_the_default_bound(tmp_path):
+    path = tmp_path / "bomb.tar.gz"
+    with gzip.open(path, "wb", compresslevel=9) as gz:
+        with tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            info = tarfile.TarInfo("v1/sm90/x-0000000000000000/module.so")
+            info.size = 32 * 2**20
+            tar.addfile(info, _Zeros(info.size))
+    report = artifact.unpack(path, tmp_path / "target")
+    assert "inflate at most 100x" in rejection(report, artifact.ARCHIVE)
+    assert tree(tmp_path / "target") == set()
+
+
 @pytest.mark.parametrize("compress", ["bzip2", "xz"])
 def test_only_plain_tar_and_gzip_are_read(source, tmp_path, compress):
     root, _ = source

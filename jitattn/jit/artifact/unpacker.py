@@ -28,8 +28,8 @@ def unpack(archive, target_root, *, archs: Iterable[str] | None = None,
     `archs`: if given, only entries carrying code for at least one of these archs are accepted
     ('9.0' and '9.0a' count as the same GPU generation). The archive is a plain tar, or gzip
     (never bz2/xz; with `plain_only`, plain tar only); it may list at most `max_members` members
-    of at most `max_total_bytes` together, which is checked while the headers are read, before
-    anything is written. `secret` (default: the fleet secret, when JITATTN_REMOTE_CACHE_KEY or
+    of at most `max_total_bytes` together (and a gzip archive at most MAX_INFLATION times its
+    own size), which is checked while the headers are read, before anything is written. `secret` (default: the fleet secret, when JITATTN_REMOTE_CACHE_KEY or
     _KEY_FILE is set; None: no check) must have signed every entry (`signing.sign_entry`, as
     `pack` does with a key): an unsigned or forged entry is rejected. Raises FileNotFoundError
     if the archive does not exist; everything else wrong with it is a rejection in the report.
@@ -49,6 +49,8 @@ def unpack(archive, target_root, *, archs: Iterable[str] | None = None,
     except (tarfile.TarError, OSError, EOFError) as exc:
         report.rejected.append(Rejection(ARCHIVE, f"not a readable tar archive ({exc})"))
         return report
+    if mode == "r:gz":  # real entries compress a few times over; a bomb, by orders of magnitude
+        max_total_bytes = min(max_total_bytes, MAX_INFLATION * archive.stat().st_size)
     with tar:
         try:
             members = _bounded_members(tar, max_members, max_total_bytes)
@@ -63,6 +65,9 @@ def unpack(archive, target_root, *, archs: Iterable[str] | None = None,
             return report
         _unpack_entries(tar, members, index, target, report, archs, max_member_bytes, secret)
     return report
+
+
+MAX_INFLATION = 100  # a gzip archive may list at most this many times its own size
 
 
 class _OverBound(Exception):
@@ -98,7 +103,8 @@ def _bounded_members(tar: tarfile.TarFile, max_members: int, max_total_bytes: in
             raise _OverBound(f"more than {max_members} members: over the bound on an archive's member count")
         if total > max_total_bytes:
             raise _OverBound(f"members of more than {max_total_bytes} bytes together: over the bound on an "
-                             "archive's unpacked size (cache unpack --max-total-mb)")
+                             f"archive's unpacked size (cache unpack --max-total-mb; a gzip archive may also "
+                             f"inflate at most {MAX_INFLATION}x)")
 
 
 def _read_index(tar: tarfile.TarFile, members, report: UnpackReport) -> list[dict] | None:

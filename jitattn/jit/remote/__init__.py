@@ -377,6 +377,9 @@ class FleetTier(Tier):
         except RemoteFault as fault:
             self._fault(fault, f"healing {alias}")
             return 0
+        except Exception as exc:
+            self._unavailable(entry.key, f"healing {alias}", exc)
+            return 0
         if junk_count:
             log.warning("remote cache %s: %s: %s", self.url, alias,
                         "over-long set rebuilt" if junk_count < 0 else f"removed {junk_count} junk member(s)")
