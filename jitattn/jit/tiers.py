@@ -74,8 +74,8 @@ class Tier:
 class DirTier(Tier):
     """A cache root on disk: a read-only seed dir, or the writable root."""
 
-    def __init__(self, root: Path, *, writable: bool):
-        self.root, self.writable = Path(root), writable
+    def __init__(self, root: Path, *, writable: bool, stamps: Path):
+        self.root, self.writable, self.stamps = root, writable, stamps
         self.other_toolchains = not writable  # seeds are deliberate artifacts (CI's pinned toolchain)
 
     def __repr__(self) -> str:
@@ -86,14 +86,14 @@ class DirTier(Tier):
         components match but for the toolchain."""
         if wanted.key is not None:
             path = cache.entry_path(self.root, keys.CACHE_SCHEMA, wanted.arch_tag, wanted.spec.name, wanted.key)
-            return cache.read_entry(path, wanted.key, stamps=stamps_dir())
-        return compatible([self.root], wanted)[0]
+            return cache.read_entry(path, wanted.key, stamps=self.stamps)
+        return compatible([self.root], wanted, self.stamps)[0]
 
     def commit(self, staging: Path, wanted: Wanted, replace: bool) -> cache.CacheEntry | None:
         """Publish a finished staging dir as the entry of `wanted` (one rename; first valid entry
         wins unless `replace`); the verified entry, or None if what landed does not verify."""
         final = self.entry_path(wanted)
-        return cache.read_entry(cache.publish(staging, final, replace=replace), wanted.key, stamps=stamps_dir())
+        return cache.read_entry(cache.publish(staging, final, replace=replace), wanted.key, stamps=self.stamps)
 
     def entry_path(self, wanted: Wanted) -> Path:
         return cache.entry_path(self.root, keys.CACHE_SCHEMA, wanted.arch_tag, wanted.spec.name, wanted.key)
@@ -125,8 +125,10 @@ NO_REMOTE = "none (JITATTN_REMOTE_CACHE is not set)"
 
 def from_env() -> list[Tier]:
     """The tiers in lookup order, as the env knobs name them."""
-    chain: list[Tier] = [DirTier(p, writable=False) for p in env.seed_dirs()]
-    chain.append(DirTier(env.cache_dir(), writable=True))
+    root = env.cache_dir()
+    stamps = root / cache.STAMPS  # full hashes of .so files are remembered in the writable root
+    chain: list[Tier] = [DirTier(p, writable=False, stamps=stamps) for p in env.seed_dirs()]
+    chain.append(DirTier(root, writable=True, stamps=stamps))
     if env.remote_cache_url() is not None:
         chain.append(_LazyRemote())
     return chain
@@ -138,11 +140,6 @@ def writable(chain: list[Tier]) -> DirTier:
 
 def roots(chain: list[Tier]) -> list[Path]:
     return [t.root for t in chain if isinstance(t, DirTier)]
-
-
-def stamps_dir() -> Path:
-    """Where full hashes of .so files are remembered (cache.read_entry): the writable root's."""
-    return env.cache_dir() / cache.STAMPS
 
 
 def find_local(wanted: Wanted, chain: list[Tier]) -> cache.CacheEntry | None:
@@ -176,13 +173,13 @@ def find_remote(wanted: Wanted, chain: list[Tier], notes: list[str]):
     return None, None
 
 
-def compatible(roots_: list[Path], wanted: Wanted):
+def compatible(roots_: list[Path], wanted: Wanted, stamps: Path | None = None):
     """(verified entry matching everything but the toolchain, nearest other entry + diff)."""
     spec = wanted.spec
     target = keys.BuildTarget(wanted.archs, "", "")
     want = keys.components(spec, target)
     nearest = None
-    stamps = stamps_dir()
+    stamps = stamps or env.cache_dir() / cache.STAMPS
     for layer in roots_:
         for path in reversed(cache.siblings(layer, keys.CACHE_SCHEMA, wanted.arch_tag, spec.name)):
             entry = cache.read_entry(path, stamps=stamps)
