@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from jitattn.jit import cache, env, keys, toolchain
+from jitattn.jit import bounded_json, cache, env, keys, toolchain
 from jitattn.jit.manifest import expand, read_manifest, unique
 from jitattn.jit.registry import spec_from_dict
 from jitattn.jit.spec import DTYPE_TAGS, KernelSpec
@@ -84,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     unpack.add_argument("--into", type=Path, help="target cache root, e.g. a seed dir (default: the writable root)")
     unpack.add_argument("--arch", help="only accept entries with code for these archs, e.g. '9.0'")
     unpack.add_argument("--max-member-mb", type=float, default=512, help="largest file accepted (default 512)")
+    unpack.add_argument("--max-total-mb", type=float, default=4096, help="most bytes unpacked in all (default 4096)")
     unpack.set_defaults(handler=cmd_cache_unpack)
     push = csub.add_parser("push", help="publish verified entries of the writable root to the fleet tier "
                                          "(JITATTN_REMOTE_CACHE)")
@@ -200,7 +201,7 @@ def _number(flag: str, value, minimum: float = 0.0, above: bool = False):
 def _specs_of_json(raw: str) -> list[KernelSpec]:
     """The specs of one `--spec` JSON object (lists expand as in manifests)."""
     try:
-        data = json.loads(raw)
+        data = bounded_json.loads(raw, max_bytes=1 << 20, what="--spec")
     except ValueError as exc:
         raise ValueError(f"--spec is not valid JSON ({exc}): {raw:.200}") from None
     except RecursionError:
@@ -415,9 +416,10 @@ def cmd_cache_unpack(args) -> int:
 
     archs = toolchain.parse_arch_list(args.arch) if args.arch else None
     _number("--max-member-mb", args.max_member_mb, above=True)
+    _number("--max-total-mb", args.max_total_mb, above=True)
     target = args.into or env.cache_dir()
-    report = artifact.unpack(args.archive, target, archs=archs,
-                             max_member_bytes=int(args.max_member_mb * 2**20))
+    report = artifact.unpack(args.archive, target, archs=archs, max_member_bytes=int(args.max_member_mb * 2**20),
+                             max_total_bytes=int(args.max_total_mb * 2**20))
     for entry in report.accepted:
         note = "already present" if entry.status == "present" else "added"
         print(f"accepted {entry.path} ({note})")

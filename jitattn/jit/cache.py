@@ -16,11 +16,14 @@ import shutil
 import time
 from pathlib import Path
 
+from jitattn.jit import bounded_json
+
 MANIFEST = "manifest.json"
 LIBRARY = "module.so"
 STAGING = "staging"
 LOCKS = "locks"
 LOGS = "logs"  # <root>/logs/: compile logs of failed builds (build._keep_log)
+MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few KiB; one read from an untrusted entry is bounded
 STAMPS = "verified"  # <writable root>/verified/: which module.so files a full hash verified (see read_entry)
 # What a path component the cache makes from a name may be: spec names and schemas [a-z0-9_],
 # arch tags 'sm80+sm90a', keys hex.
@@ -110,7 +113,7 @@ def read_entry(path: Path, key: str | None = None, stamps: Path | None = None) -
     the whole library. Any rewrite or replacement of the file changes its ctime or inode (ctime
     cannot be set from user space), so it is hashed again; `cache verify` always hashes."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = bounded_json.read(path / MANIFEST, max_bytes=MAX_MANIFEST_BYTES)
         lib = manifest["library"]
         if key is not None and manifest["key"] != key:
             return None
@@ -141,7 +144,7 @@ def _stamp_file(stamps: Path, so: Path) -> Path:
 def _stamped(stamps: Path, so: Path, st: os.stat_result, sha256: str) -> bool:
     """Whether a full hash verified this very file (same identity) as having `sha256`."""
     try:
-        stamp = json.loads(_stamp_file(stamps, so).read_text())
+        stamp = bounded_json.read(_stamp_file(stamps, so), max_bytes=MAX_MANIFEST_BYTES)
     except (OSError, ValueError):
         return False
     return (isinstance(stamp, dict) and stamp.get("path") == os.path.abspath(so) and stamp.get("sha256") == sha256
@@ -167,7 +170,7 @@ def why_invalid(path: Path) -> str | None:
     if not mf.exists():
         return "no manifest.json (unfinished or killed build)"
     try:
-        manifest = json.loads(mf.read_text())
+        manifest = bounded_json.read(mf, max_bytes=MAX_MANIFEST_BYTES)
         lib = manifest["library"]
         expected_dir = f"-{manifest['key'][:16]}"
     except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -1,23 +1,22 @@
 """get_module(spec): the one way a kernel module is obtained.
 
 Warm path (what every call after the first takes): a dict lookup. First use in a process:
-find a verified entry in a cache layer (read-only seed dirs first, then the writable root) and
-load its .so — no lock, no subprocess, no ninja, no compiler probe (toolchain versions come from
-an on-disk memo), and no hash of a .so a full hash already verified unchanged (cache.read_entry's
-stamps, kept in the writable root). Only on a miss, and unless strict mode is on: lock(key),
-look again, render, build in staging, publish with one rename, manifest last, load.
+find a verified entry in a local cache tier (read-only seed dirs first, then the writable root)
+and load its .so — no lock, no subprocess, no ninja, no compiler probe (toolchain versions come
+from an on-disk memo), and no hash of a .so a full hash already verified unchanged (cache.read_entry's
+stamps). Only on a miss: `build_and_load` — ask the remote tiers, then (unless strict mode is
+on) lock the key, look again, build in staging, publish, load. The tiers are `jit.tiers`.
 """
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import threading
 import time
 from pathlib import Path
 
 from jitattn.errors import CacheNotWritable, MissingSpecializationError, ToolchainError
-from jitattn.jit import cache, env, keys, toolchain
+from jitattn.jit import cache, env, keys, tiers, toolchain
 from jitattn.jit.spec import KernelSpec
 
 log = logging.getLogger("jitattn")
@@ -26,7 +25,7 @@ _modules: dict[KernelSpec, "LoadedModule"] = {}
 _loaded_namespaces: dict[str, str] = {}  # op namespace -> key, for this process
 _process_lock = threading.RLock()
 COMPILE_COUNT = 0  # compiles done by this process (tests and tools read it)
-PULL_COUNT = 0  # entries this process pulled from the fleet tier
+PULL_COUNT = 0  # entries this process pulled from a remote tier
 
 
 class LoadedModule:
@@ -53,14 +52,14 @@ def get_module(spec: KernelSpec) -> LoadedModule:
     module = _modules.get(spec)
     if module is None:
         with _process_lock:
-            module = _modules.get(spec) or _find_or_build(spec)
+            module = _modules.get(spec) or _first_use(spec)
             _modules[spec] = module
     return module
 
 
 def layers() -> list[Path]:
     """Cache roots searched in order: read-only seed dirs, then the writable root."""
-    return [*env.seed_dirs(), env.cache_dir()]
+    return tiers.roots(tiers.from_env())
 
 
 def current_target(spec: KernelSpec, root: Path | None = None) -> keys.BuildTarget:
@@ -69,120 +68,149 @@ def current_target(spec: KernelSpec, root: Path | None = None) -> keys.BuildTarg
     return keys.BuildTarget(archs, tc.nvcc_release, tc.host_cxx_version)
 
 
-class _Lookup:
-    """What the cache layers hold for a spec, and how to build it if they hold nothing:
-    `build` is (target, components, key) when this process may build, `failure` why it
-    cannot when it may not."""
-
-    __slots__ = ("entry", "archs", "arch_tag", "build", "failure")
-
-    def __init__(self, entry, archs, arch_tag, build=None, failure=None):
-        self.entry, self.archs, self.arch_tag = entry, archs, arch_tag
-        self.build, self.failure = build, failure
-
-
-def _lookup(spec: KernelSpec, force: bool = False) -> _Lookup:
-    root = env.cache_dir()
+def wanted(spec: KernelSpec) -> tiers.Wanted:
+    """What a call of `spec` looks for in the tiers: the exact build this process would make, or
+    (strict mode, which never probes a compiler; or no usable toolchain) any toolchain's build."""
     archs = spec.archs_for(toolchain.target_archs()[0])
-    arch_tag = toolchain.arch_tag(archs)
-    if not env.jit_disabled():  # strict mode never builds, so it never probes a compiler
-        try:
-            tc = toolchain.fingerprint(memo_dir=root)
-        except ToolchainError as exc:
-            tc, no_toolchain = None, exc
-        if tc is not None:
-            target = keys.BuildTarget(archs, tc.nvcc_release, tc.host_cxx_version)
-            parts = keys.components(spec, target)
-            key = keys.key_of(parts)
-            build = (target, parts, key)
-            if force:
-                return _Lookup(None, archs, arch_tag, build)
-            for layer in layers():
-                path = cache.entry_path(layer, keys.CACHE_SCHEMA, arch_tag, spec.name, key)
-                entry = cache.read_entry(path, key, stamps=root / cache.STAMPS)
-                if entry is not None:
-                    return _Lookup(entry, archs, arch_tag)
-            # Seed layers are deliberate artifacts (CI's pinned toolchain): trust them whatever
-            # compiler this machine has, as long as the binary interface matches.
-            entry, _ = _find_compatible(spec, archs, arch_tag, env.seed_dirs())
-            return _Lookup(entry, archs, arch_tag, build)
-    # Strict mode, or no toolchain to build with: any entry whose binary interface matches.
-    entry, nearest = _find_compatible(spec, archs, arch_tag, layers())
+    loose = tiers.Wanted(spec, archs, toolchain.arch_tag(archs))
     if env.jit_disabled():
-        failure = MissingSpecializationError(_missing_message(spec, archs, arch_tag, nearest))
-    else:
-        failure = ToolchainError(f"{spec.name} is not cached and cannot be built: {no_toolchain}")
-    return _Lookup(entry, archs, arch_tag, failure=failure)
+        return loose
+    try:
+        tc = toolchain.fingerprint(memo_dir=env.cache_dir())
+    except ToolchainError:
+        return loose  # build_and_load says why when it must build
+    target = keys.BuildTarget(archs, tc.nvcc_release, tc.host_cxx_version)
+    parts = keys.components(spec, target)
+    return tiers.Wanted(spec, archs, loose.arch_tag, target, parts, keys.key_of(parts))
+
+
+def find_local(want: tiers.Wanted) -> cache.CacheEntry | None:
+    """The entry the local tiers (seeds, writable root) hold for `want`, or None."""
+    return tiers.find_local(want, tiers.from_env())
 
 
 def is_cached(spec: KernelSpec) -> bool:
-    """Whether a call would load `spec` without compiling (no lock, no build)."""
-    return _lookup(spec).entry is not None
+    """Whether a call would load `spec` without compiling or pulling (no lock, no build)."""
+    return find_local(wanted(spec)) is not None
 
 
-def _find_or_build(spec: KernelSpec, force: bool = False) -> LoadedModule:
+def _first_use(spec: KernelSpec) -> LoadedModule:
     from jitattn.jit.record import record_spec
 
     record_spec(spec)
-    found = _lookup(spec, force)
-    if found.entry is not None:
-        return _load(spec, found.entry)
-    fleet = _fleet()  # after the local layers, before a build; None when no remote is set
-    note = "none (JITATTN_REMOTE_CACHE is not set)" if fleet is None else "not asked (forced rebuild)"
-    if fleet is not None and not force:
-        entry, note = fleet.pull(spec, found.archs, found.arch_tag, found.build)
-        if entry is not None:
-            return _pulled(spec, entry)
-    if found.build is None:
-        raise type(found.failure)(f"{found.failure}\n  remote: {note}")
-    target, parts, key = found.build
-    return _build(spec, target, parts, key, env.cache_dir(), found.arch_tag, reason="forced" if force else "miss",
-                  fleet=fleet)
+    want = wanted(spec)
+    entry = tiers.find_local(want, tiers.from_env())
+    return _load(spec, entry) if entry is not None else build_and_load(spec)
 
 
-def _fleet():
-    if env.remote_cache_url() is None:  # keep the remote package (and redis) off every local path
-        return None
-    from jitattn.jit import remote
-
-    return remote.tier()
-
-
-def _pulled(spec: KernelSpec, entry: cache.CacheEntry) -> LoadedModule:
+def build_and_load(spec: KernelSpec, force: bool = False) -> LoadedModule:
+    """The cold path: pull from a remote tier, else lock the key, look again, build, publish to
+    every tier, load. `force` rebuilds over a valid entry (replacing it), asks no remote tier and
+    waits for no other builder. Raises MissingSpecializationError (strict mode) or ToolchainError when
+    nothing can be found and this process cannot build."""
     global PULL_COUNT
-    PULL_COUNT += 1
-    return _load(spec, entry)
+    from jitattn.jit.lock import key_lock
+
+    chain, want, notes = tiers.from_env(), wanted(spec), []
+    if force:
+        notes.append("not asked (forced rebuild)" if any(t.remote for t in chain) else tiers.NO_REMOTE)
+    else:
+        entry, _ = tiers.find_remote(want, chain, notes)
+        if entry is not None:
+            PULL_COUNT += 1
+            return _load(spec, entry)
+    if want.key is None:
+        raise _cannot_build(spec, want, chain, notes)
+    home = tiers.writable(chain)
+    _check_buildable_here(spec, want, home.root)
+    with key_lock(home.root / cache.LOCKS, want.key, spec.name, env.lock_timeout()):
+        entry = None if force else home.find(want)  # another process may have built it meanwhile
+        if entry is not None:
+            return _load(spec, entry)
+        # One build per fleet: a tier may hand over what another node built while this one waited.
+        with tiers.build_turns(chain, want, force) as (handed, by):
+            if handed is not None:
+                PULL_COUNT += 1 if by.remote else 0
+                return _load(spec, handed)
+            entry = _build(spec, want, home, force)
+            for tier in chain:
+                if tier is not home:
+                    tier.publish(entry, want)  # before the build turns end, so waiters find it
+    # load_inline already loaded the library from staging; register it under its entry.
+    return _register(spec, entry)
 
 
-def _fleet_turn(fleet, spec: KernelSpec, key: str, root: Path, arch_tag: str, forced: bool):
-    """The fleet's build lock for `key` (taken inside the node's file lock), or a stand-in."""
-    if fleet is None:
-        from contextlib import nullcontext
+def _cannot_build(spec, want: tiers.Wanted, chain, notes: list[str]) -> Exception:
+    """Why nothing could be loaded and this process may not build: strict mode's miss (what
+    was searched, the nearest entry), or the toolchain that cannot be used."""
+    if env.jit_disabled():
+        _, nearest = tiers.compatible(tiers.roots(chain), want)
+        error = MissingSpecializationError(_missing_message(spec, want.archs, want.arch_tag, nearest))
+    else:
+        try:
+            toolchain.fingerprint(memo_dir=env.cache_dir())
+            why = "the toolchain changed while it was being probed"
+        except ToolchainError as exc:
+            why = str(exc)
+        error = ToolchainError(f"{spec.name} is not cached and cannot be built: {why}")
+    return type(error)(f"{error}\n  remote: {'; '.join(notes)}")
 
-        return nullcontext(None)
-    from jitattn.jit import remote
 
-    rel = remote.entry_rel(arch_tag, spec.name, key)
-    return remote.NoTurn(fleet, rel) if forced else fleet.build_turn(spec.name, key, rel, root)
+def _check_buildable_here(spec, want: tiers.Wanted, root: Path) -> None:
+    _ensure_writable(root)
+    if op_namespace(spec, want.key) in _loaded_namespaces:
+        # Loading a second library that registers the same ops would abort the process.
+        raise RuntimeError(
+            f"{spec.name} (key {want.key[:16]}) is already loaded in this process and cannot be rebuilt "
+            "here; rebuild it from a fresh process, e.g. `jitattn prewarm --force`"
+        )
 
 
-def _find_compatible(spec, archs, arch_tag, roots):
-    """(verified entry matching everything but the toolchain, nearest other entry + diff)."""
-    wanted = keys.components(spec, keys.BuildTarget(archs, "", ""))
-    nearest = None
-    stamps = env.cache_dir() / cache.STAMPS
-    for layer in roots:
-        for path in reversed(cache.siblings(layer, keys.CACHE_SCHEMA, arch_tag, spec.name)):
-            entry = cache.read_entry(path, stamps=stamps)
-            if entry is None:
-                nearest = nearest or (path, [f"entry does not verify: {cache.why_invalid(path)}"])
-                continue
-            diff = [d for d in keys.differing(wanted, entry.components) if d not in keys.TOOLCHAIN_COMPONENTS]
-            if not diff:
-                return entry, None
-            if nearest is None or len(diff) < len(nearest[1]):
-                nearest = (path, diff)
-    return None, nearest
+def _build(spec, want: tiers.Wanted, home: tiers.DirTier, force: bool) -> cache.CacheEntry:
+    """Compile `spec` in a staging dir and publish it into the writable tier (under the key's
+    lock); the verified entry."""
+    global COMPILE_COUNT
+    final = home.entry_path(want)
+    reason = "forced" if force else f"corrupt entry ({cache.why_invalid(final)})" if final.exists() else "miss"
+    staging = cache.new_staging_dir(home.root)
+    try:
+        seconds = _compile(spec, want, staging, home.root, reason, final)
+        entry = home.commit(staging, want, replace=force)
+    finally:
+        cache.discard_staging(staging)  # a failed build's; releases the hold `cache prune` respects
+    COMPILE_COUNT += 1
+    log.info("compiled %s in %.1f s -> %s", spec.name, seconds, final)
+    if entry is None:
+        raise cache_error(final)
+    return entry
+
+
+def _compile(spec, want: tiers.Wanted, staging: Path, root: Path, reason: str, final: Path) -> float:
+    """Render and compile `spec` into `staging`, manifest last; the compile's seconds."""
+    import socket
+
+    from jitattn.jit.build import compile_library
+    from jitattn.jit.render import render
+
+    namespace = op_namespace(spec, want.key)
+    sources = render(spec, namespace)
+    for name, text in sources.items():
+        (staging / name).write_text(text)
+    log.info("compiling %s (%s) for %s into %s", spec.name, reason, ",".join(want.target.archs), final)
+    tc = toolchain.fingerprint(memo_dir=root)
+    seconds = compile_library(
+        staging, sources, spec_name=spec.name, ext_name=f"jitattn_{want.key[:16]}",
+        archs=want.target.archs, toolchain=tc, jobs=env.build_jobs(), log_dir=root / "logs",
+        verbose=env.verbosity() >= 2,
+    )
+    cache.write_manifest(staging, {
+        "key": want.key,
+        "name": spec.name,
+        "op_namespace": namespace,
+        "components": want.components,
+        "built": {"seconds": round(seconds, 3), "host": socket.gethostname(), "time": time.time()},
+    })
+    return seconds
 
 
 def _missing_message(spec, archs, arch_tag, nearest) -> str:
@@ -206,69 +234,6 @@ def _missing_message(spec, archs, arch_tag, nearest) -> str:
         lines.append(f"  nearest cached entry: {path}")
         lines.append("  differs in: " + "; ".join(detail))
     return "\n".join(lines)
-
-
-def _build(spec, target, parts, key, root, arch_tag, reason, fleet=None) -> LoadedModule:
-    import contextlib
-    import socket
-
-    from jitattn.jit.build import compile_library
-    from jitattn.jit.lock import key_lock
-    from jitattn.jit.render import render
-
-    global COMPILE_COUNT
-    final = cache.entry_path(root, keys.CACHE_SCHEMA, arch_tag, spec.name, key)
-    _ensure_writable(root)
-    namespace = op_namespace(spec, key)
-    if namespace in _loaded_namespaces:
-        # Loading a second library that registers the same ops would abort the process.
-        raise RuntimeError(
-            f"{spec.name} (key {key[:16]}) is already loaded in this process and cannot be rebuilt "
-            "here; rebuild it from a fresh process, e.g. `jitattn prewarm --force`"
-        )
-    with key_lock(root / cache.LOCKS, key, spec.name, env.lock_timeout()), contextlib.ExitStack() as held:
-        if reason != "forced":
-            entry = cache.read_entry(final, key, stamps=root / cache.STAMPS)  # another process may have built it
-            if entry is not None:
-                return _load(spec, entry)
-        # One build per fleet: wait for this key's fleet lock, or for another node's result.
-        turn = held.enter_context(_fleet_turn(fleet, spec, key, root, arch_tag, reason == "forced"))
-        if turn is not None and turn.pulled is not None:
-            return _pulled(spec, turn.pulled)
-        if reason != "forced" and final.exists():
-            reason = f"corrupt entry ({cache.why_invalid(final)})"
-        staging = cache.new_staging_dir(root)
-        try:
-            sources = render(spec, namespace)
-            for name, text in sources.items():
-                (staging / name).write_text(text)
-            log.info("compiling %s (%s) for %s into %s", spec.name, reason, ",".join(target.archs), final)
-            tc = toolchain.fingerprint(memo_dir=root)
-            seconds = compile_library(
-                staging, sources, spec_name=spec.name, ext_name=f"jitattn_{key[:16]}",
-                archs=target.archs, toolchain=tc, jobs=env.build_jobs(), log_dir=root / "logs",
-                verbose=env.verbosity() >= 2,
-            )
-            cache.write_manifest(staging, {
-                "key": key,
-                "name": spec.name,
-                "op_namespace": namespace,
-                "components": parts,
-                "built": {"seconds": round(seconds, 3), "host": socket.gethostname(), "time": time.time()},
-            })
-            entry = cache.read_entry(cache.publish(staging, final, replace=reason == "forced"), key,
-                                     stamps=root / cache.STAMPS)
-        finally:
-            if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
-        COMPILE_COUNT += 1
-        log.info("compiled %s in %.1f s -> %s", spec.name, seconds, final)
-        if turn is not None and entry is not None:
-            turn.share(entry)  # before the fleet lock is released, so its waiters find it
-    if entry is None:
-        raise cache_error(final)
-    # load_inline already loaded the library from staging; register it under its entry.
-    return _register(spec, entry)
 
 
 def cache_error(path: Path) -> RuntimeError:
@@ -319,6 +284,6 @@ def build_spec(spec: KernelSpec, force: bool = False) -> tuple[LoadedModule, boo
     """Prewarm: make sure `spec` is cached for the current target; (module, compiled?)."""
     before = COMPILE_COUNT
     with _process_lock:
-        module = _find_or_build(spec, force=force)
+        module = build_and_load(spec, force=True) if force else _first_use(spec)
         _modules[spec] = module
     return module, COMPILE_COUNT > before

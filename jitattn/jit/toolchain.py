@@ -119,10 +119,13 @@ def _run(cmd: list[str]) -> str:
 
 
 def _read_json(path: Path) -> dict:
+    from jitattn.jit import bounded_json
+
     try:
-        return json.loads(path.read_text())
+        data = bounded_json.read(path, max_bytes=1 << 20)
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _write_memo(path: Path, root: Path, data: dict) -> None:

@@ -9,7 +9,8 @@ An archive is a plain tar (or tar.gz by suffix) whose first member is `index.jso
      "schema": "v1",                      # the jitattn cache schema of the packer
      "entries": [{"path": "v1/sm90/<name>-<key16>", "key": ..., "name": ..., "archs": [...],
                   "abi": ..., "schema": ..., "files": {"module.so": {"sha256": ..., "size": ...},
-                                                       ...every file of the entry...}}]}
+                                                       ...every file of the entry...},
+                  "signature": {"alg", "key_id", "mac"}}]}   # only when packed with a fleet secret
 
 followed by the entries' directories and files in sorted order, with relative names only.
 
@@ -17,7 +18,10 @@ Unpacking treats the archive as untrusted: members are read one by one (never `e
 every name and type is checked, every byte is hashed against the index, and each entry is
 written into a private staging directory inside the target root, verified with
 `cache.read_entry`, and only then published with `cache.publish` (one atomic rename; an
-existing valid entry wins). A rejected entry leaves nothing behind.
+existing valid entry wins). A rejected entry leaves nothing behind. Member count, total size
+and JSON nesting are bounded before anything is written; with a fleet secret configured, each
+entry must carry the fleet's signature (`jitattn.jit.signing`), else an archive is as trusted as
+its producer (docs/threat-model.md).
 """
 from jitattn.jit.artifact.format import (ARCHIVE, DEFAULT_MAX_MEMBER_BYTES, FORMAT, FORMAT_VERSION, INDEX,
                                          AcceptedEntry, PackedEntry, PackReport, Rejection, UnpackReport,

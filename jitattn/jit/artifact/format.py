@@ -1,17 +1,18 @@
 """The cache archive format: its constants, reports, and the manifest checks packer and unpacker share."""
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jitattn.jit import keys
+from jitattn.jit import bounded_json, keys
 
 INDEX = "index.json"
 FORMAT = "jitattn-cache-archive"
 FORMAT_VERSION = 1
 DEFAULT_MAX_MEMBER_BYTES = 512 * 2**20  # per file
+DEFAULT_MAX_TOTAL_BYTES = 4 * 2**30  # all members together (a cache of every tuned spec is far smaller)
+DEFAULT_MAX_MEMBERS = 100_000
 MAX_INDEX_BYTES = 64 * 2**20
 ARCHIVE = "<archive>"  # the `item` of a rejection that concerns the whole archive
 
@@ -92,6 +93,16 @@ def inconsistent(manifest: dict, rel: str) -> str | None:
 
 def read_json(path: Path):
     try:
-        return json.loads(path.read_text())
+        return bounded_json.read(path, max_bytes=MAX_INDEX_BYTES)
     except (OSError, ValueError):
         return None
+
+
+def configured_secret() -> bytes | None:
+    """The key archives are signed and checked with: the fleet secret, when one is configured
+    (JITATTN_REMOTE_CACHE_KEY or JITATTN_REMOTE_CACHE_KEY_FILE), else None (unsigned archives,
+    as trusted as their producer)."""
+    from jitattn.jit import signing
+
+    found = signing.fleet_secret()
+    return found[0] if found else None

@@ -11,12 +11,13 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import IO
 
-from jitattn.jit import cache, keys, render
+from jitattn.jit import cache, keys, render, signing
 from jitattn.jit.artifact.format import (FORMAT, FORMAT_VERSION, INDEX, SAFE_COMPONENT, PackedEntry, PackReport,
-                                         inconsistent, read_json, stale)
+                                         configured_secret, inconsistent, read_json, stale)
 
 
-def pack(roots_or_entries, out_path, specs=None, *, created: float | None = None) -> PackReport:
+def pack(roots_or_entries, out_path, specs=None, *, created: float | None = None,
+         secret: bytes | None | object = configured_secret) -> PackReport:
     """Write one archive of verified cache entries to `out_path` (.tar.gz/.tgz: gzip, else plain).
 
     `roots_or_entries`: a path or a list of paths; each is a cache root (its current-schema
@@ -27,11 +28,15 @@ def pack(roots_or_entries, out_path, specs=None, *, created: float | None = None
     missing. Entries that do not verify are refused (reported, not packed); entries
     of another cache schema or binding ABI are skipped (this jitattn could not load them).
     With the same `created` and the same entries, the archive is byte-for-byte the same.
+    `secret` (default: the fleet secret, when one is configured; None: unsigned) signs each
+    entry as the fleet signs its values, so `unpack` with the same key refuses forgeries.
     """
     out_path = Path(out_path)
     if isinstance(roots_or_entries, (str, os.PathLike)):
         roots_or_entries = [roots_or_entries]
     created = time.time() if created is None else float(created)
+    if secret is configured_secret:
+        secret = configured_secret()
     report = PackReport(out_path)
     wanted = None if specs is None else [(s, s.to_dict(), render.spec_template_digest(s)) for s in specs]
     found: set[int] = set()  # indices into `wanted` that have at least one packed entry
@@ -82,11 +87,14 @@ def pack(roots_or_entries, out_path, specs=None, *, created: float | None = None
             continue
         found.update(matches)
         parts = entry.components
-        index_entries.append({
+        record = {
             "path": rel, "key": entry.key, "name": entry.manifest.get("name"),
             "archs": parts.get("archs"), "abi": parts.get("abi"), "schema": parts.get("schema"),
             "files": files,
-        })
+        }
+        if secret is not None:
+            record["signature"] = signing.sign_entry(secret, entry.key, path)
+        index_entries.append(record)
         sources.append((rel, path, files))
         report.packed.append(PackedEntry(rel, entry.key, entry.manifest.get("name"),
                                          sum(f["size"] for f in files.values())))

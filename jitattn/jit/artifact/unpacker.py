@@ -2,50 +2,108 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import shutil
 import tarfile
+import zlib
 from pathlib import Path, PurePosixPath
 from typing import Iterable
 
-from jitattn.jit import cache
-from jitattn.jit.artifact.format import (ARCHIVE, DEFAULT_MAX_MEMBER_BYTES, FORMAT, FORMAT_VERSION, INDEX,
-                                         MAX_INDEX_BYTES, AcceptedEntry, Rejection, UnpackReport, inconsistent,
+from jitattn.jit import bounded_json, cache, signing
+from jitattn.jit.artifact.format import (ARCHIVE, DEFAULT_MAX_MEMBER_BYTES, DEFAULT_MAX_MEMBERS,
+                                         DEFAULT_MAX_TOTAL_BYTES, FORMAT, FORMAT_VERSION, INDEX, MAX_INDEX_BYTES,
+                                         AcceptedEntry, Rejection, UnpackReport, configured_secret, inconsistent,
                                          stale)
 from jitattn.jit.artifact.vetting import (compatibility_problem, index_record_problem, member_kind,
                                           member_problem, owning_entry)
 
 
 def unpack(archive, target_root, *, archs: Iterable[str] | None = None,
-           max_member_bytes: int = DEFAULT_MAX_MEMBER_BYTES) -> UnpackReport:
+           max_member_bytes: int = DEFAULT_MAX_MEMBER_BYTES, max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
+           max_members: int = DEFAULT_MAX_MEMBERS, plain_only: bool = False,
+           secret: bytes | None | object = configured_secret) -> UnpackReport:
     """Extract the verified entries of `archive` into the cache root `target_root` (created if
     absent). Nothing is written outside `target_root`; a rejected entry leaves nothing behind.
 
     `archs`: if given, only entries carrying code for at least one of these archs are accepted
-    ('9.0' and '9.0a' count as the same GPU generation). Raises FileNotFoundError if the archive
-    does not exist; everything else wrong with it is a rejection in the report.
+    ('9.0' and '9.0a' count as the same GPU generation). The archive is a plain tar, or gzip
+    (never bz2/xz; with `plain_only`, plain tar only); it may list at most `max_members` members
+    of at most `max_total_bytes` together (and a gzip archive at most MAX_INFLATION times its
+    own size), which is checked while the headers are read, before anything is written. `secret` (default: the fleet secret, when JITATTN_REMOTE_CACHE_KEY or
+    _KEY_FILE is set; None: no check) must have signed every entry (`signing.sign_entry`, as
+    `pack` does with a key): an unsigned or forged entry is rejected. Raises FileNotFoundError
+    if the archive does not exist; everything else wrong with it is a rejection in the report.
     """
     archive, target = Path(archive), Path(target_root)
     report = UnpackReport(archive, target)
     if not archive.is_file():
         raise FileNotFoundError(f"no archive at {archive}")
+    if secret is configured_secret:
+        secret = configured_secret()
+    mode, problem = _open_mode(archive, plain_only)
+    if problem:
+        report.rejected.append(Rejection(ARCHIVE, problem))
+        return report
     try:
-        tar = tarfile.open(archive, mode="r:*")
+        tar = tarfile.open(archive, mode=mode)
     except (tarfile.TarError, OSError, EOFError) as exc:
         report.rejected.append(Rejection(ARCHIVE, f"not a readable tar archive ({exc})"))
         return report
+    if mode == "r:gz":  # real entries compress a few times over; a bomb, by orders of magnitude
+        max_total_bytes = min(max_total_bytes, MAX_INFLATION * archive.stat().st_size)
     with tar:
         try:
-            members = tar.getmembers()
-        except (tarfile.TarError, OSError, EOFError) as exc:
+            members = _bounded_members(tar, max_members, max_total_bytes)
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
             report.rejected.append(Rejection(ARCHIVE, f"corrupt tar archive ({exc})"))
+            return report
+        except _OverBound as exc:
+            report.rejected.append(Rejection(ARCHIVE, str(exc)))
             return report
         index = _read_index(tar, members, report)
         if index is None:
             return report
-        _unpack_entries(tar, members, index, target, report, archs, max_member_bytes)
+        _unpack_entries(tar, members, index, target, report, archs, max_member_bytes, secret)
     return report
+
+
+MAX_INFLATION = 100  # a gzip archive may list at most this many times its own size
+
+
+class _OverBound(Exception):
+    pass
+
+
+def _open_mode(archive: Path, plain_only: bool) -> tuple[str, str | None]:
+    """The tarfile mode for an archive's first bytes, or why it is refused (bz2, xz, ...)."""
+    with open(archive, "rb") as f:
+        magic = f.read(6)
+    if magic.startswith(b"\x1f\x8b"):
+        if plain_only:
+            return "", "a gzip-compressed archive where only plain tar is read"
+        return "r:gz", None
+    for prefix, what in ((b"BZh", "bzip2"), (b"\xfd7zXZ", "xz"), (b"\x28\xb5\x2f\xfd", "zstd")):
+        if magic.startswith(prefix):
+            return "", f"a {what}-compressed archive: only plain tar{'' if plain_only else ' or gzip'} is read"
+    return "r:", None
+
+
+def _bounded_members(tar: tarfile.TarFile, max_members: int, max_total_bytes: int) -> list[tarfile.TarInfo]:
+    """The members, read header by header; _OverBound as soon as there are more than
+    `max_members` or their sizes add up to more than `max_total_bytes` (so a compressed archive
+    is never inflated past the bound just to be listed)."""
+    members, total = [], 0
+    while True:
+        member = tar.next()
+        if member is None:
+            return members
+        members.append(member)
+        total += max(member.size, 0)
+        if len(members) > max_members:
+            raise _OverBound(f"more than {max_members} members: over the bound on an archive's member count")
+        if total > max_total_bytes:
+            raise _OverBound(f"members of more than {max_total_bytes} bytes together: over the bound on an "
+                             f"archive's unpacked size (cache unpack --max-total-mb; a gzip archive may also "
+                             f"inflate at most {MAX_INFLATION}x)")
 
 
 def _read_index(tar: tarfile.TarFile, members, report: UnpackReport) -> list[dict] | None:
@@ -64,8 +122,12 @@ def _read_index(tar: tarfile.TarFile, members, report: UnpackReport) -> list[dic
         report.rejected.append(Rejection(INDEX, f"oversized: {member.size} bytes > {MAX_INDEX_BYTES}"))
         return None
     try:
-        index = json.loads(tar.extractfile(member).read())
-    except (ValueError, tarfile.TarError, OSError, EOFError) as exc:
+        index = bounded_json.loads(tar.extractfile(member).read(MAX_INDEX_BYTES + 1), max_bytes=MAX_INDEX_BYTES,
+                                   what=INDEX)
+    except bounded_json.JSONBoundError as exc:
+        report.rejected.append(Rejection(INDEX, str(exc)))
+        return None
+    except (ValueError, tarfile.TarError, OSError, EOFError, zlib.error) as exc:
         report.rejected.append(Rejection(INDEX, f"unreadable or malformed JSON ({exc.__class__.__name__})"))
         return None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
@@ -83,7 +145,7 @@ def _read_index(tar: tarfile.TarFile, members, report: UnpackReport) -> list[dic
 
 
 def _unpack_entries(tar, members, index_entries, target: Path, report: UnpackReport, archs,
-                    max_member_bytes: int) -> None:
+                    max_member_bytes: int, secret: bytes | None) -> None:
     # 1. Which index entries are well formed, and which member names they list.
     entries: dict[str, dict] = {}  # entry path -> index record
     listed_files: dict[str, tuple[str, str]] = {}  # member name -> (entry path, file name)
@@ -144,7 +206,7 @@ def _unpack_entries(tar, members, index_entries, target: Path, report: UnpackRep
                     reason = f"{', '.join(sorted(absent))} listed in {INDEX} but not in the archive"
             if reason is None:
                 try:
-                    accepted, reason = _install(tar, files, rel, record, target)
+                    accepted, reason = _install(tar, files, rel, record, target, secret)
                 except OSError as exc:
                     accepted, reason = None, f"cannot write into {target}: {exc}"
                 if accepted is not None:
@@ -159,7 +221,7 @@ def _unpack_entries(tar, members, index_entries, target: Path, report: UnpackRep
                 pass
 
 
-def _install(tar, files: dict, rel: str, record: dict, target: Path):
+def _install(tar, files: dict, rel: str, record: dict, target: Path, secret: bytes | None):
     """Stage, hash and verify one entry, then publish it: (AcceptedEntry, None) or (None, why)."""
     target.mkdir(parents=True, exist_ok=True)
     private = cache.new_staging_dir(target)
@@ -177,6 +239,10 @@ def _install(tar, files: dict, rel: str, record: dict, target: Path):
                 return None, f"size mismatch for {name}: read {size} bytes, {INDEX} says {meta['size']}"
             if digest != meta["sha256"]:
                 return None, f"sha256 mismatch for {name}: content does not match {INDEX}"
+        if secret is not None:
+            why = signing.check_entry(secret, record["key"], stage, record.get("signature"))
+            if why:
+                return None, f"{why} (a signing key is configured: JITATTN_REMOTE_CACHE_KEY or _KEY_FILE)"
         entry = cache.read_entry(stage, record["key"])
         if entry is None:
             return None, f"does not verify as a cache entry: {cache.why_invalid(stage) or 'manifest key differs'}"
@@ -201,7 +267,7 @@ def _install(tar, files: dict, rel: str, record: dict, target: Path):
             return None, f"published entry does not verify: {cache.why_invalid(published)}"
         return AcceptedEntry(rel, published, "present" if existed or stage.exists() else "added"), None
     finally:
-        shutil.rmtree(private, ignore_errors=True)
+        cache.discard_staging(private)
 
 
 def _copy_member(tar, member: tarfile.TarInfo, dest: Path, expected: int) -> tuple[str, int]:

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import tempfile
 from pathlib import Path
 
-from jitattn.jit import cache, keys
+from jitattn.jit import bounded_json, cache, keys
 
 MAGIC = b"JITATTN-REMOTE-ENTRY 1\n"
 MAX_HEADER = 16 * 1024
@@ -42,7 +41,7 @@ def pack(entry: cache.CacheEntry, rel: str, signature: dict | None) -> bytes:
 
     with tempfile.TemporaryDirectory(prefix="jitattn-push-") as tmp:
         out = Path(tmp) / "entry.tar"
-        report = artifact.pack([entry.path], out, created=0.0)
+        report = artifact.pack([entry.path], out, created=0.0, secret=None)  # the header carries the signature
         if not report.ok or [p.path for p in report.packed] != [rel]:
             why = report.refused or report.skipped or [p.path for p in report.packed]
             raise ValueError(f"{entry.path} cannot be packed: {why}")
@@ -61,7 +60,9 @@ def header_of(value: bytes) -> dict:
     if end < 0:
         raise Refused("truncated or malformed value: no complete header line")
     try:
-        header = json.loads(value[len(MAGIC):end])
+        header = bounded_json.loads(value[len(MAGIC):end], max_bytes=MAX_HEADER, what="header")
+    except bounded_json.JSONBoundError as exc:
+        raise Refused(f"malformed header ({exc})") from None
     except ValueError:
         raise Refused("malformed header (not JSON)") from None
     if not isinstance(header, dict) or not isinstance(header.get("archive"), dict):
@@ -78,7 +79,7 @@ def unwrap(value: bytes, key: str, rel: str) -> tuple[dict, bytes]:
         raise Refused(f"foreign value: it holds {header.get('path')!r}, not {rel}")
     archive = value[value.index(b"\n", len(MAGIC)) + 1:]
     size, digest = header["archive"].get("size"), header["archive"].get("sha256")
-    if not isinstance(size, int) or not isinstance(digest, str):
+    if type(size) is not int or not isinstance(digest, str):
         raise Refused("malformed header (archive size/sha256)")
     if len(archive) < size:
         raise Refused(f"truncated value: {len(archive)} of {size} archive bytes")
@@ -100,7 +101,8 @@ def materialize(archive: bytes, key: str, rel: str, root: Path, accept) -> cache
     try:
         tar = private / "entry.tar"
         tar.write_bytes(archive)
-        report = artifact.unpack(tar, private / "vetted", max_member_bytes=len(archive))
+        report = artifact.unpack(tar, private / "vetted", max_member_bytes=len(archive), max_total_bytes=len(archive),
+                                 max_members=64, plain_only=True, secret=None)
         if report.rejected:
             raise Refused("archive rejected: " + "; ".join(f"{r.item}: {r.reason}" for r in report.rejected[:3]))
         if [a.path for a in report.accepted] != [rel]:
@@ -121,4 +123,4 @@ def materialize(archive: bytes, key: str, rel: str, root: Path, accept) -> cache
             raise OSError(f"published entry {published} does not verify: {cache.why_invalid(published)}")
         return entry
     finally:
-        shutil.rmtree(private, ignore_errors=True)
+        cache.discard_staging(private)

@@ -46,6 +46,8 @@ def push(fleet: FleetTier, root: Path, specs=None) -> Report:
             continue
         status = fleet.share(entry, rel)
         ok = status in ("published", "present", "replaced")
+        if ok:
+            fleet.heal_alias(entry)  # the real key listed first-class again, junk members trimmed
         report.moved.append(Moved(rel, status if ok else "failed", "" if ok else status))
     for spec in specs or []:
         if id(spec) not in found:
@@ -60,13 +62,14 @@ def pull(fleet: FleetTier, specs) -> Report:
 
     report = Report()
     for spec in specs:
-        found = loader._lookup(spec)
-        if found.entry is not None:
-            report.moved.append(Moved(spec.name, "present", str(found.entry.path)))
+        wanted = loader.wanted(spec)
+        present = loader.find_local(wanted)
+        if present is not None:
+            report.moved.append(Moved(spec.name, "present", str(present.path)))
             continue
-        entry, note = fleet.pull(spec, found.archs, found.arch_tag, found.build)
-        if entry is None and found.build is not None:
-            entry, other = fleet.pull(spec, found.archs, found.arch_tag, None)
+        entry, note = fleet.pull(wanted)  # the exact key first
+        if entry is None and wanted.key is not None:
+            entry, other = fleet.pull(wanted.any_toolchain())
             note = note if entry is None else f"{other} (built with nvcc {entry.components.get('nvcc')}, " \
                                               f"{entry.components.get('host_cxx')}: strict mode serves it)"
         report.moved.append(Moved(spec.name, "pulled" if entry else "missing", str(entry.path) if entry else note))
@@ -91,6 +94,8 @@ def survey(fleet: FleetTier, limit: int = 10000) -> dict:
         out.update(entries=len(names), more=more, signing=counts)
     except RemoteFault as fault:
         out["error"] = str(fault)
+    except Exception as exc:  # whatever a misbehaving server makes of the survey: a report, not a crash
+        out["error"] = f"{type(exc).__name__}: {exc}"[:300]
     return out
 
 
@@ -100,6 +105,8 @@ def status_of(fleet: FleetTier, key: str) -> str:
         head = fleet.store.head(entry_name(key), envelope.HEAD_BYTES)
     except RemoteFault as fault:
         return f"unreachable: {fault}"
+    except Exception as exc:
+        return f"unavailable: {type(exc).__name__}: {exc}"[:300]
     if not head:
         return "absent"
     how = _signed_by(fleet, head)
