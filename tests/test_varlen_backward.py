@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import jitattn
 import jitattn.varlen.ops  # noqa: F401  (registers torch.ops.jitattn.varlen_attn*)
@@ -260,6 +261,37 @@ def test_varlen_attn_is_differentiable(standin, want_lse):
     check_grads((lq.grad, lk.grad, lv.grad), want, 1e-2, f"varlen_attn autograd lse={want_lse}", ref_lse)
     # The backward sizes its grid from the forward's max_q / max_k: no host sync.
     assert standin_backward.calls == [{"max_q": 11, "max_k": 9}]
+
+
+class OpLog(TorchDispatchMode):
+    """Records every op dispatched under it (torch's test_varlen_attention uses the same mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_dispatch_modes_see_jitattn_ops_and_get_the_same_gradients(standin):
+    """Under a Python dispatch mode the public functions go through the custom ops (an op logger,
+    FakeTensorMode and torch's own tests see them), and the op's autograd formula gives the
+    gradients of the eager path."""
+    q, k, v, cu_q, cu_k, _ = make([6, 0, 11], [9, 3, 4], 4, 2, 64, dtype=F16, seed=13)
+    _, ref_lse, grad_out, _, want = reference_grads(q, k, v, cu_q, cu_k, None, (-1, 0))
+    lq, lk, lv = leaves(q, k, v)
+    with OpLog() as log:
+        out = jitattn.varlen_attn(lq, lk, lv, cu_q, cu_k, 11, 9, window_size=(-1, 0), enable_gqa=True)
+        out.backward(grad_out.to(F16))
+        target = torch.full_like(q, float("nan"))
+        jitattn.varlen_attn_out(target, q, k, v, cu_q, cu_k, 11, 9, window_size=(-1, 0), enable_gqa=True)
+    assert "jitattn.varlen_attn.default" in log.ops
+    assert "jitattn.varlen_attn_backward.default" in log.ops
+    assert "jitattn.varlen_attn_out.default" in log.ops
+    check_grads((lq.grad, lk.grad, lv.grad), want, 1e-2, "varlen_attn autograd through the op", ref_lse)
+    torch.testing.assert_close(target, out.detach(), rtol=0, atol=0)
 
 
 def test_soft_capped_varlen_attn_is_differentiable(standin):

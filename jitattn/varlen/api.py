@@ -7,9 +7,11 @@ which the eager call and the registered custom ops (jitattn/varlen/ops.py) share
 Eager calls skip the torch.library dispatcher (its Python custom-op path costs more than the
 whole launch, and its first call imports torch._dynamo); eager calls that autograd must record
 (an input requires grad) go through `EagerVarlenAttn` (jitattn/varlen/backward.py), a plain
-autograd.Function with the op's launches and formula. Under torch.compile, functorch transforms
-and Python dispatch modes the public functions call the registered ops instead, which the
-compiler treats as opaque and shapes through their fake kernels.
+autograd.Function with the op's launches and formula. Under torch.compile, Python dispatch modes
+and functorch transforms the public functions call the registered ops instead (`_needs_the_op`):
+the compiler treats them as opaque and shapes them through their fake kernels, and a mode (an op
+logger, FakeTensorMode) sees `jitattn.varlen_attn` / `jitattn.varlen_attn_out` as torch's sees
+its own ops.
 The ops are registered on first use of either (`ops_registered`), or by `import jitattn.varlen.ops`.
 """
 from __future__ import annotations
@@ -38,13 +40,11 @@ def ops_registered() -> bool:
 
 
 def _needs_the_op() -> bool:
-    """Whether a call that needs grad must go through the custom op: torch.compile (and export)
-    trace it, functorch transforms (vmap, grad) and Python dispatch modes (FakeTensorMode, a
-    FlopCounter, an op logger) must see it; plain eager autograd does not need it."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    return (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-            or _get_current_dispatch_mode() is not None)
+    """Whether a call must go through the custom op: torch.compile (and export) trace it, Python
+    dispatch modes (FakeTensorMode, a FlopCounter, an op logger) and functorch transforms must see
+    it. Plain eager calls skip the dispatcher."""
+    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._are_functorch_transforms_active())
 
 
 def varlen_attn(
@@ -80,7 +80,8 @@ def varlen_attn(
     """
     want_lse = return_aux is not None and getattr(return_aux, "lse", False) is True
     grad = needs_grad(query, key, value)
-    if grad and not _needs_the_op():
+    through_op = _needs_the_op()
+    if grad and not through_op:
         # Eager with grad: the op's launches and formula without the dispatcher, whose first
         # custom-op call imports torch._dynamo (why: notes/first-call.md).
         from jitattn.varlen.backward import EagerVarlenAttn, check_differentiable
@@ -90,7 +91,7 @@ def varlen_attn(
                            window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
                            num_splits=num_splits, return_aux=AuxRequest(lse=True), softcap=softcap)
         out, lse = EagerVarlenAttn.apply(forward, call, list(window_size), query, key, value)
-    elif grad or torch.compiler.is_compiling():
+    elif grad or through_op:
         # The op carries the autograd formula, which needs the lse: asked for whenever grad is.
         ops_registered()
         if grad:
@@ -135,7 +136,7 @@ def varlen_attn_out(
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor of query's shape (T_q, H_q, D), got {type(out).__name__}")
     want_lse = return_aux is not None and getattr(return_aux, "lse", False) is True
-    if torch.compiler.is_compiling():
+    if _needs_the_op():
         # The op has no autograd formula: what it writes and returns is not differentiable.
         ops_registered()
         lse = torch.ops.jitattn.varlen_attn_out(
