@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU job for issue 47: the provider's and the transformers integration's GPU tests, the first
 # call with grad, the transformers table, and (with PYTORCH_DIR=<a pytorch checkout>) torch's own
-# tests with jitattn active. Apply /work/briefs/integ-first-call.patch first for item 3.
+# tests with jitattn active.
 #   tools/device_check_torch_flash.sh [bench_transformers args...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
