@@ -432,6 +432,34 @@ def test_a_fallback_runs_the_original_kernel_and_logs_once():
     assert records.messages == ["aten::_flash_attention_forward runs torch's own kernel: dropout_p > 0 (logged once)"]
 
 
+def test_flash_ops_that_torchs_kernel_calls_in_a_fallback_go_straight_to_torch():
+    """SDPA's flash op falls back (dropout) and torch's kernel for it calls _flash_attention_forward:
+    that inner call runs torch's kernel too, without a second decision, count or log line."""
+    inner_calls = []
+
+    class InnerOriginal:
+        def call_boxed(self, keyset, *args, **kwargs):
+            inner_calls.append(args[7])  # its dropout_p
+            return "aten's inner result"
+
+    inner = torch_flash.dispatching_kernel("_flash_attention_forward", InnerOriginal())
+    q, k, v = _dense()
+
+    class OuterOriginal:
+        def call_boxed(self, keyset, *args, **kwargs):
+            # what torch's SDPA flash kernel does: the varlen-capable flash op underneath, here one
+            # jitattn would compute on its own (dropout 0)
+            return inner(keyset, q, k, v, None, None, 8, 8, 0.0, False, False)
+
+    outer = torch_flash.dispatching_kernel("_flash_attention_forward", OuterOriginal())
+    torch_flash.CALLS.clear()
+    with torch_flash.use_kernels(STAND_IN):
+        assert outer("keyset", q, k, v, None, None, 8, 8, 0.25, False, False) == "aten's inner result"
+        assert inner("keyset", q, k, v, None, None, 8, 8, 0.25, False, False) == "aten's inner result"
+    assert inner_calls == [0.0, 0.25]
+    assert torch_flash.CALLS == {"fallback": 2}  # one per outermost call
+
+
 def test_a_call_jitattn_refuses_after_the_decision_still_runs_torchs_kernel():
     def refusing_forward(*args):
         raise ValueError("cu_seq_q must be contiguous")

@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import logging
 import math
+import threading
 from typing import Callable, NamedTuple
 
 import torch
@@ -416,6 +417,9 @@ _IMPLS = {
     "_scaled_dot_product_flash_attention_backward": (sdpa_flash_backward, _sdpa_backward_reason, "backward"),
 }
 _LOGGED_REASONS: set = set()
+# Set while torch's own kernel runs a call jitattn passed on: the flash ops it calls in turn (SDPA's
+# flash op calls _flash_attention_forward) go straight to torch's kernels, counted and logged once.
+_in_torchs_kernel = threading.local()
 
 
 def _log_fallback(op_name: str, reason: str) -> None:
@@ -430,6 +434,8 @@ def dispatching_kernel(op_name: str, original) -> Callable:
     implementation, reason_for, kind = _IMPLS[op_name]
 
     def kernel(keyset, *args, **kwargs):
+        if getattr(_in_torchs_kernel, "active", False) and original is not None:
+            return original.call_boxed(keyset, *args, **kwargs)
         reason = reason_for(*args, **kwargs)
         if reason is None:
             try:
@@ -446,7 +452,11 @@ def dispatching_kernel(op_name: str, original) -> Callable:
         if original is None:
             raise RuntimeError(f"jitattn's flash-attention provider cannot run aten::{op_name} ({reason}) and "
                                "this torch has no kernel of its own for the call")
-        return original.call_boxed(keyset, *args, **kwargs)
+        _in_torchs_kernel.active = True
+        try:
+            return original.call_boxed(keyset, *args, **kwargs)
+        finally:
+            _in_torchs_kernel.active = False
 
     kernel.__name__ = f"jitattn_{op_name}"
     return kernel
