@@ -1,6 +1,6 @@
 {# The forward's mainloop loads: K/V tiles by cp.async (packed, paged, paged decode slots) or
-   TMA, and the page ids they read (included by kernels.cu.j2).
-   Rows of a K/V tile one thread copies (16 bytes each): LOAD_ITERS rows, `CHUNKS` threads a row. #}
+   TMA, and the page ids they read (included by kernels.cu.j2). #}
+// Rows of a K/V tile one thread copies (16 bytes each): LOAD_ITERS rows, `CHUNKS` threads a row.
 constexpr int LOAD_ITERS = (BLOCK_N * CHUNKS + LOADERS - 1) / LOADERS;
 
 // When LOADERS is a multiple of CHUNKS, each thread copies the same 16-byte chunk of rows

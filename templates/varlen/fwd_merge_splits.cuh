@@ -1,8 +1,8 @@
-{# The split-KV combine kernel (included by kernels.cu.j2).
-   Combine the splits of each row: o = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max lse), in
-   split order (deterministic). Same grid decoding as varlen_fwd (with one split), so rows outside
-   every sequence are left alone, as varlen_fwd leaves them; blocks of one split wrote their rows
-   themselves. #}
+{# The split-KV combine kernel (included by kernels.cu.j2). #}
+// Combine the splits of each row: o = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max lse), in
+// split order (deterministic). Same grid decoding as varlen_fwd (with one split), so rows outside
+// every sequence are left alone, as varlen_fwd leaves them; blocks of one split wrote their rows
+// themselves.
 __global__ void __launch_bounds__(128) merge_splits(const VarlenParams p) {
   wait_for_prerequisite_grid();
   int bid = blockIdx.x;

@@ -1,10 +1,10 @@
 {# The forward's Q loads: packed query rows -> (token, head), copied into shared memory
-   (included by kernels.cu.j2).
-   A packed row pr of the block and its token and query head (pr / pack and pr % pack, floored:
-   rows before 0 exist in a causal block's head), stepped STEP rows at a time by additions. The
-   Q copies and the epilogue's stores had an integer division by pack per row: at D128 a CTA
-   took 1.8 us from setmaxnreg to its last Q copy issued and 2.2 us for the epilogue, of 18 us
-   at 8 key tiles (clock stamps on the H200, notes/forward-h200.md). #}
+   (included by kernels.cu.j2). #}
+// A packed row pr of the block and its token and query head (pr / pack and pr % pack, floored:
+// rows before 0 exist in a causal block's head), stepped STEP rows at a time by additions. The
+// Q copies and the epilogue's stores had an integer division by pack per row: at D128 a CTA
+// took 1.8 us from setmaxnreg to its last Q copy issued and 2.2 us for the epilogue, of 18 us
+// at 8 key tiles (clock stamps on the H200, notes/forward-h200.md).
 template <int STEP>
 struct PackedRow {
   int pr, token, head;

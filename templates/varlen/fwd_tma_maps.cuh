@@ -1,11 +1,11 @@
-{# Host side: the tensor maps varlen_fwd's TMA copies and stores read (included by kernels.cu.j2).
-   The tensor maps of K and V (see tma_kv_tile) and the rows of their box; 0 when TMA cannot
-   read them (alignment, strides, pages under 8 rows or not back to back) and every tile takes
-   cp.async. A 5-D map over (64 columns, tokens, D / 64 atoms 128 bytes apart, rows / 8 groups
-   8 tokens apart, heads) with box (64, 8, D / 64, rows / 8, 1) and the 128-byte swizzle writes
-   exactly swizzle()'s order (8-row x 64-column 1024-byte atoms, a group's atoms side by side);
-   the token and group dimensions overlap, so only full boxes inside a sequence are read (the
-   kernel's TMA tiles). Rebuilt per call (two encodes on the host, no driver round trip). #}
+{# Host side: the tensor maps varlen_fwd's TMA copies and stores read (included by kernels.cu.j2). #}
+// The tensor maps of K and V (see tma_kv_tile) and the rows of their box; 0 when TMA cannot
+// read them (alignment, strides, pages under 8 rows or not back to back) and every tile takes
+// cp.async. A 5-D map over (64 columns, tokens, D / 64 atoms 128 bytes apart, rows / 8 groups
+// 8 tokens apart, heads) with box (64, 8, D / 64, rows / 8, 1) and the 128-byte swizzle writes
+// exactly swizzle()'s order (8-row x 64-column 1024-byte atoms, a group's atoms side by side);
+// the token and group dimensions overlap, so only full boxes inside a sequence are read (the
+// kernel's TMA tiles). Rebuilt per call (two encodes on the host, no driver round trip).
 int make_kv_maps(const VarlenParams& p, CUtensorMap (&maps)[2]) {
   const EncodeTiled encode = encode_tiled();
   if (!encode) return 0;

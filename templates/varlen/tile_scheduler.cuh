@@ -1,6 +1,6 @@
 {# The forward's tile scheduler: a work item (row block x KV split) decoded heaviest first from
-   a CTA's (or, persistent, a taken item's) index (included by kernels.cu.j2).
-   What one CTA works on (PERSISTENT: one of its items), decoded from its index (decode_work). #}
+   a CTA's (or, persistent, a taken item's) index (included by kernels.cu.j2). #}
+// What one CTA works on (PERSISTENT: one of its items), decoded from its index (decode_work).
 struct Work {
   int kv_head, seq, split, m0;
   int q_start, rows, q_len;  // rows = q_len * pack (packed)
