@@ -139,8 +139,8 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const BwdParams p) {
       float2 l[Q_TILES], d[Q_TILES];
       load_row_stats(l, lse2, q0, c);
       load_row_stats(d, delta, q0, c);
-      if constexpr (SOFT_CAP) {
-        capped_scores_to_dscores(s, dp, l, d, sl2, p.cap_scale);
+      if constexpr (ScoreMod::ACTIVE) {
+        scored_probs_to_dscores(p, w, m, key0, q0, g, c, s, dp, l, d, sl2);
       } else {
         scores_to_probs(s, l, sl2);
         probs_to_dscores(s, dp, d);

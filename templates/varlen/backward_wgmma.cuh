@@ -243,13 +243,13 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     auto& s4 = reinterpret_cast<float(&)[Q_TILES][4]>(s);
     auto& dp4 = reinterpret_cast<float(&)[Q_TILES][4]>(dp);
     float2 l[Q_TILES], d[Q_TILES];
-    if constexpr (SOFT_CAP) {  // dS^T needs tanh of S^T too: both at once, after both GEMMs
+    if constexpr (ScoreMod::ACTIVE) {  // dS^T needs the score of S^T too: both at once, after both GEMMs
       wgmma_wait<0>();
       wgmma_pin(s);
       wgmma_pin(dp);
       load_row_stats(l, lse2, q0, c);
       load_row_stats(d, delta, q0, c);
-      capped_scores_to_dscores(s4, dp4, l, d, sl2, p.cap_scale);
+      scored_probs_to_dscores(p, w, m, key0, q0, g, c, s4, dp4, l, d, sl2);
     } else {
       // lse2 / delta read after the waits. lse2 read before them (under the GEMMs, 16 more
       // registers live across the wait) measured slower on the H200: bf16 8 x 4k, full / causal

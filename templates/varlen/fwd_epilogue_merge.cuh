@@ -46,7 +46,8 @@
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] *= inv;
     const float lse2 = total > 0.f ? base + log2f(total) : -INFINITY;
-    const int token = w.q_start + pr / p.pack, head = w.kv_head * p.pack + pr % p.pack;
+    const TokenHead th = packed_row(pr, p.pack, w.q_start, w.kv_head);
+    const int token = th.token, head = th.head;
     if (w.splits == 1) {
       T* out = static_cast<T*>(p.out) + token * p.out_stride_token + head * p.out_stride_head + chunk * 8;
       store_floats<T, 8>(out, acc);

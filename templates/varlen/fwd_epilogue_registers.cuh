@@ -36,7 +36,8 @@
             stage_rows[swizzle(row, d) * 4 + c] = pack2<T>(o[mt][d][2 * h] * inv, o[mt][d][2 * h + 1] * inv);
         }
         if (pr < 0 || pr >= w.rows) continue;
-        const int token = w.q_start + pr / p.pack, head = w.kv_head * p.pack + pr % p.pack;
+        const TokenHead th = packed_row(pr, p.pack, w.q_start, w.kv_head);
+        const int token = th.token, head = th.head;
         if (w.splits == 1) {
           if (p.lse && c == 0) p.lse[int64_t(head) * p.total_q + token] = lse2 * LN2;
         } else {  // fp32 partials straight from the fragments (explicit prefill splits: rare)
@@ -74,7 +75,7 @@
 {% endif %}
       if constexpr (32 % CHUNKS == 0) {  // each lane stores one chunk of rows 32 / CHUNKS apart
         const int chunk = lane % CHUNKS;
-        PackedRow<32 / CHUNKS> r(p, w, warp_m * WARP_ROWS + lane / CHUNKS);
+        PackedRow<32 / CHUNKS> r(p.pack, w.q_start, w.m0 + warp_m * WARP_ROWS + lane / CHUNKS);
 #pragma unroll
         for (int row = warp_m * WARP_ROWS + lane / CHUNKS; row < (warp_m + 1) * WARP_ROWS; row += 32 / CHUNKS) {
 {% if persistent %}
@@ -85,7 +86,7 @@
             *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + r.token * p.out_stride_token +
                                       (w.kv_head * p.pack + r.head) * p.out_stride_head + chunk * 8) =
                 staging[swizzle(row, chunk)];
-          r.advance(p);
+          r.advance(p.pack);
         }
       } else {
 #pragma unroll
@@ -93,7 +94,8 @@
           const int row = warp_m * WARP_ROWS + idx / CHUNKS, chunk = idx % CHUNKS;
           const int pr = w.m0 + row;
           if (pr < 0 || pr >= w.rows) continue;
-          const int token = w.q_start + pr / p.pack, head = w.kv_head * p.pack + pr % p.pack;
+          const TokenHead th = packed_row(pr, p.pack, w.q_start, w.kv_head);
+          const int token = th.token, head = th.head;
           *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + token * p.out_stride_token + head * p.out_stride_head +
                                     chunk * 8) = staging[swizzle(row, chunk)];
         }

@@ -120,69 +120,16 @@
     }
 {% endif %}
 
-    if constexpr (SOFT_CAP) {
-#pragma unroll
-      for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[mt][nt][e] = tanh_from_exp2(s[mt][nt][e] * p.cap_scale);
-    }
-
-    // Mask the tiles that straddle a window edge or the end of the keys.
+    // The score hook (the soft cap, or nothing), the mask on the tiles that straddle a window
+    // edge or the end of the keys (or that the mask hook cuts), the online softmax.
     const int n0 = tile * BLOCK_N;
-    if (MASK == MASK_EDGE || (MASK == MASK_CHECK && (n0 < w.mask_below || n0 + BLOCK_N > w.mask_above))) {
-      const int off = w.k_len - w.q_len;
-#pragma unroll
-      for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          // Visible keys [lo, hi) of this thread's query row.
-          const int r = (w.m0 + warp_m * M_TILES * 16 + mt * 16 + h * 8 + g) / p.pack;
-          const int lo = p.window_left >= 0 ? r + off - p.window_left : INT_MIN;
-          const int hi = p.window_right >= 0 ? min(w.k_len, r + off + p.window_right + 1) : w.k_len;
-#pragma unroll
-          for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-            for (int e = 2 * h; e < 2 * h + 2; ++e) {
-              const int col = n0 + warp_n * WARP_N + nt * 8 + 2 * c + (e & 1);
-              if (col < lo || col >= hi) s[mt][nt][e] = -INFINITY;
-            }
-        }
-    }
-
-    // Online softmax: new row maxima (over the quad that shares a row), rescale, exponentiate.
+    const int row0 = warp_m * M_TILES * 16, col0 = warp_n * WARP_N;
+    if constexpr (ScoreMod::ACTIVE) score_tile(p, w, s, n0, row0, col0, g, c);
+    if (MASK == MASK_EDGE ||
+        (MASK == MASK_CHECK && (n0 < w.mask_below || n0 + BLOCK_N > w.mask_above || mask_hook_cuts(p, w, n0))))
+      mask_tile(p, w, s, n0, row0, col0, g, c);
     float scale_o[M_TILES][2];  // OVERLAP: each row's rescale of O, once O += P V let go of it
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = row_max[mt][h];
-#pragma unroll
-        for (int nt = 0; nt < N_TILES; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float base = mx == -INFINITY ? 0.f : mx * sl2;  // all masked so far: keep zeros
-        const float alpha = fast_exp2(row_max[mt][h] * sl2 - base);
-        row_max[mt][h] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-          for (int e = 2 * h; e < 2 * h + 2; ++e) {
-            s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], sl2, -base));
-            sum += s[mt][nt][e];
-          }
-        row_sum[mt][h] = row_sum[mt][h] * alpha + sum;
-        scale_o[mt][h] = alpha;
-        if constexpr (!OVERLAP) {
-#pragma unroll
-          for (int d = 0; d < CHUNKS; ++d) {
-            o[mt][d][2 * h] *= alpha;
-            o[mt][d][2 * h + 1] *= alpha;
-          }
-        }
-      }
+    online_softmax<!OVERLAP>(s, row_max, row_sum, o, scale_o, sl2);
 {% if overlap %}
     // The previous tile's O += P V is done: O and P's registers and its stage are free.
     wgmma_wait<0>();

@@ -16,7 +16,8 @@ __global__ void __launch_bounds__(128) merge_splits(const VarlenParams p) {
   for (int idx = threadIdx.x; idx < BLOCK_M * CHUNKS; idx += 128) {
     const int pr = w.m0 + idx / CHUNKS, chunk = idx % CHUNKS;
     if (pr < 0 || pr >= w.rows) continue;
-    const int token = w.q_start + pr / p.pack, head = w.kv_head * p.pack + pr % p.pack;
+    const TokenHead th = packed_row(pr, p.pack, w.q_start, w.kv_head);
+    const int token = th.token, head = th.head;
     const float* lse_col = p.partial_lse + int64_t(head) * p.total_q + token;
     const int64_t lse_step = int64_t(p.num_heads_q) * p.total_q;
     float mx = -INFINITY;

@@ -8,8 +8,7 @@ constexpr bool DECODE = {{ "true" if decode else "false" }};
 // memory, each warpgroup 64 rows; everything else (schedule, loads, masks, softmax, epilogue)
 // is the same code as the mma.sync rung.
 constexpr bool WGMMA = {{ "true" if wgmma else "false" }};
-// Logit soft cap (Gemma-2): S' = cap * tanh(scale * S / cap); scale_log2 is then cap * log2(e).
-constexpr bool SOFT_CAP = {{ "true" if soft_cap else "false" }};
+// The logit soft cap is the score hook's ScoreMod (hooks.cuh, score.cuh).
 constexpr float LN2 = 0.6931471805599453f;
 
 // Tile shape (VarlenSpec: warps_m, m_tiles, block_n, stages; decode shapes: warps_n = block_n / 16).
