@@ -28,13 +28,13 @@ struct PageIds {
 // 224) leave at most a word (at 40 ptxas spilled 10-19). The paged TMA producer at 40 / 232
 // (its cp.async path spilling 44 words) measured no gain on the H200 (bf16 D128 8 x 4k, page
 // 16 / 256 full 551 / 569 against 571 / 577 TFLOP/s, notes/paged-h200.md): it keeps 56.
-{% if producer and warps_m == 12 %}
+{% if has_producer and warps_m == 12 %}
 // Three compute warpgroups (192 rows): 512 threads launch with 128 registers each, split as
 // FlashAttention-3 does (32 / 160). At 152 / 40 ptxas serialized every wgmma (D64, 44 DEPBARs),
 // so the paged producer takes 32 too (not the 56 of two warpgroups), spills and all.
 constexpr int PRODUCER_REGS = 32, COMPUTE_REGS = 160;
 static_assert(128 * PRODUCER_REGS + WARPS * 32 * COMPUTE_REGS <= 128 * THREADS, "register budget");
-{% elif producer and not paged and head_dim <= 128 and head_dim // 2 + block_n // 2 > 144 %}
+{% elif has_producer and not paged and head_dim <= 128 and head_dim // 2 + block_n // 2 > 144 %}
 // Wide key tiles (S and O over 144 accumulators a thread: D128 past 160 keys): the S of the
 // next tile, the P and the O of this one are live across the GEMMs, and at 232 ptxas spilled
 // in the main loop (D128 176 keys: 22 spill ops) or serialized every wgmma (192 keys: C7512,
@@ -252,7 +252,7 @@ __device__ __forceinline__ void load_kv_tile(const VarlenParams& p, const Work& 
   else load_page_slots<1>(p, w, cur, tile, ps, k_smem, v_smem);
 }
 
-{% if tma %}
+{% if uses_tma %}
 // Tile `tile` of K and V by TMA, run by the producer's first warp: lane 0 arrives on `bar` with
 // the tile's bytes, lane c < BLOCK_N / rows copies rows [c * rows, (c + 1) * rows) of each (one
 // page when paged). The map (make_kv_maps) reads a box of `rows` rows as swizzle() lays them

@@ -6,14 +6,14 @@
   auto step = [&](const int tile, auto mask_mode) {
     constexpr int MASK = decltype(mask_mode)::value;
     const int stage = (ring + tile - w.tile_begin) % STAGES;
-{% if producer %}
+{% if has_producer %}
     mbarrier_wait(&full[stage], ((ring + tile - w.tile_begin) / STAGES) & 1);
 {% else %}
     cp_async_wait<AHEAD - 1>();
 {% if wgmma %}
     fence_proxy_async_shared();  // the copies, before wgmma reads them
 {% endif %}
-{% if tma %}
+{% if uses_tma %}
     mbarrier_wait(&full[stage], ((ring + tile - w.tile_begin) / STAGES) & 1);
     // As below, and whether the next tile's page ids (in `pages`) are all good.
     const bool ids_ok = __syncthreads_and(page_ids_ok(p, pages));
@@ -24,7 +24,7 @@
       const int next = tile + AHEAD;
       const int next_stage = (next - w.tile_begin) % STAGES;
       if (next < w.tile_end) {
-{% if tma %}
+{% if uses_tma %}
         copy_tile(next, next_stage, ids_ok);
 {% else %}
         load_kv_tile(p, w, cursor, next, pages, k_smem + next_stage * TILE_CHUNKS, v_smem + next_stage * TILE_CHUNKS, tid);
@@ -76,7 +76,7 @@
       wgmma_wait<0>();
 {% endif %}
       wgmma_pin(acc);
-{% if producer %}
+{% if has_producer %}
 {% if split_kv %}
       // S is done with this tile's K (PERSISTENT: but an item's last K stage holds its O), and
       // the previous tile's O += P V with its V.

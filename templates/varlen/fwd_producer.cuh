@@ -92,7 +92,7 @@
     PageIds pages, next_pages;
     const int tiles = w.tile_end - w.tile_begin;
     if (tiles > 0) fetch_page_ids(p, w, w.tile_begin, pages, loader);
-{% if tma %}
+{% if uses_tma %}
     if (tma_rows != 0 && loader == 0) {
       prefetch_map(&map_k);
       prefetch_map(&map_v);
@@ -109,7 +109,7 @@
         publish([] { cp_async_wait<0>(); });
         mbarrier_wait(&empty[s], ((ring + i) / STAGES + 1) & 1);  // the stage's previous tile is done (SPLIT_KV: its K)
       }
-{% if tma %}
+{% if uses_tma %}
       const int tile = w.tile_begin + i;
       bool by_tma = tma_rows != 0 && (tile + 1) * BLOCK_N <= w.k_len;
       if constexpr (PAGED)  // every warp holds ids of every page of the tile (pages >= 8 rows)

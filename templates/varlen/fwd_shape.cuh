@@ -25,7 +25,7 @@ constexpr int WARPS = WARPS_M * WARPS_N;  // the warps that compute
 // COMPUTE_REGS fit the 64K register file. +9-10% at D128 and D256 on the H200; at D64 one CTA
 // per SM with a cp.async producer lost to two without (-17%), with a TMA one (128 keys x 4
 // stages) it gains 3-5%, so D64 takes the producer only with TMA.
-constexpr bool PRODUCER = {{ "true" if producer else "false" }};
+constexpr bool PRODUCER = {{ "true" if has_producer else "false" }};
 constexpr int THREADS = WARPS * 32 + (PRODUCER ? 128 : 0);
 constexpr int LOADERS = PRODUCER ? 128 : THREADS;  // threads that copy K/V tiles
 // TMA (VarlenSpec tma): the producer's full tiles of K and V come as bulk tensor copies (one
@@ -35,7 +35,7 @@ constexpr int LOADERS = PRODUCER ? 128 : THREADS;  // threads that copy K/V tile
 // NaN), tiles with a bad page id and pages under 8 rows still take cp.async. On the H200 (bf16
 // 8 x 4k) paged prefill runs 2x the cp.async producer's speed, 0.95x of contiguous at D128; see
 // VarlenSpec.takes_tma for which calls take it.
-constexpr bool TMA = {{ "true" if tma else "false" }};
+constexpr bool TMA = {{ "true" if uses_tma else "false" }};
 // The decode tile (no producer: its warps copy and compute in lockstep) takes TMA too: thread 0
 // issues a tile's boxes onto full[stage] and every warp waits there as well as on its own
 // cp.async group (tiles that still take cp.async complete full[stage] by a plain arrival).
