@@ -35,7 +35,14 @@ constexpr int DQ_QT_CHUNKS = DQ_ROWS * ROW_CHUNKS;
 constexpr int DQ_KV_CHUNKS = DQ_KEYS * ROW_CHUNKS;
 constexpr int DQ_S_TILES = DQ_KEYS / 8;        // n8 tiles of S / dP a warp
 constexpr int DQ_D_TILES = HEAD_DIM / 8;       // n8 tiles of dQ a warp
-constexpr int DQ_SMEM_BYTES = (2 * DQ_QT_CHUNKS + (DQ_K_STAGES + DQ_V_STAGES) * DQ_KV_CHUNKS) * 16 + 1024;
+// varlen_bwd_dq's dynamic shared memory (above the 1024-byte alignment of wgmma's atoms).
+struct DqSharedStorage {
+  uint4 q[DQ_QT_CHUNKS];
+  uint4 dout[DQ_QT_CHUNKS];
+  uint4 k[DQ_K_STAGES * DQ_KV_CHUNKS];  // [DQ_K_STAGES][DQ_KV_CHUNKS]
+  uint4 v[DQ_V_STAGES * DQ_KV_CHUNKS];  // [DQ_V_STAGES][DQ_KV_CHUNKS]
+};
+constexpr int DQ_SMEM_BYTES = sizeof(DqSharedStorage) + 1024;
 constexpr int DQ_N_BAND = 2048 / DQ_ROWS;      // query tiles of one (sequence, KV head) side by side
 static_assert(HEAD_DIM == 256, "dq_kernel: head_dim 256 (the width measured)");
 static_assert(DQ_SMEM_BYTES <= 227 * 1024, "dq_kernel: shared memory");
@@ -190,10 +197,11 @@ __global__ void __launch_bounds__(DQ_THREADS, 1) varlen_bwd_dq(const __grid_cons
   const BwdParams& p = args.p;
   extern __shared__ uint4 smem_base[];
   uint4* smem = smem_base + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_base)) & 1023)) & 1023) / 16;
-  uint4* q_smem = smem;
-  uint4* do_smem = q_smem + DQ_QT_CHUNKS;
-  uint4* k_smem = do_smem + DQ_QT_CHUNKS;          // [DQ_K_STAGES][DQ_KV_CHUNKS]
-  uint4* v_smem = k_smem + DQ_K_STAGES * DQ_KV_CHUNKS;  // [DQ_V_STAGES][DQ_KV_CHUNKS]
+  DqSharedStorage& shared = *reinterpret_cast<DqSharedStorage*>(smem);
+  uint4* q_smem = shared.q;
+  uint4* do_smem = shared.dout;
+  uint4* k_smem = shared.k;
+  uint4* v_smem = shared.v;
 
   DqWork w;
   if (!dq_work(p, args.num_m_blocks, w)) return;

@@ -44,14 +44,15 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   const BwdParams& p = args.p;
   extern __shared__ uint4 smem_base[];
   uint4* smem = smem_base + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_base)) & 1023)) & 1023) / 16;
-  uint4* k_smem = smem;
-  uint4* v_smem = k_smem + KV_CHUNKS;
-  uint4* q_smem = v_smem + KV_CHUNKS;             // [STAGES][QT_CHUNKS]
-  uint4* do_smem = q_smem + STAGES * QT_CHUNKS;
-  uint4* ds_smem = do_smem + STAGES * QT_CHUNKS;  // dS^T (, P^T) [DS_STAGES][DS_TILES][BLOCK_N keys][BLOCK_M queries]
-  float* dq_smem = reinterpret_cast<float*>(ds_smem + DS_STAGES * DS_TILES * DS_TILE);  // [DQ_STAGES][DQ_TILE]
-  float* stats = dq_smem + DQ_STAGES * DQ_TILE;   // [STAGES][lse2, delta][BLOCK_M]
-  float* dq_scratch = stats + STAGES * 2 * BLOCK_M;  // DKV_SPLIT: [warp][8 rows][DQ_SN]
+  SharedStorage& shared = *reinterpret_cast<SharedStorage*>(smem);
+  uint4* k_smem = shared.k;
+  uint4* v_smem = shared.v;
+  uint4* q_smem = shared.q;
+  uint4* do_smem = shared.dout;
+  uint4* ds_smem = shared.ds;
+  float* dq_smem = shared.dq_and_stats;                     // [DQ_STAGES][DQ_TILE]
+  float* stats = shared.dq_and_stats + DQ_STAGES * DQ_TILE;  // [STAGES][lse2, delta][BLOCK_M]
+  float* dq_scratch = shared.dq_scratch;
 
 {% if not persistent %}
   Work w;  // the CTA's one work item (PERSISTENT: the loader decodes each into item_work)

@@ -63,8 +63,19 @@ static_assert(DKV_SPLIT && PRODUCER, "dq_kernel: the head_dim 256 split with the
 constexpr int DQ_SCRATCH = DKV_SPLIT ? CONSUMERS / 32 * 8 * DQ_SN : 0;  // floats
 {% endif %}
 // wgmma's atoms must be 1024-aligned: room to align the dynamic shared memory base.
-constexpr int SMEM_BYTES = (2 * KV_CHUNKS + 2 * STAGES * QT_CHUNKS + DS_STAGES * DS_TILES * DS_TILE) * 16 +
-                           STAGES * 2 * BLOCK_M * 4 + DQ_STAGES * DQ_TILE * 4 + DQ_SCRATCH * 4 + 1024;
+// The main kernel's dynamic shared memory (above the 1024-byte alignment of wgmma's atoms).
+struct SharedStorage {
+  uint4 k[KV_CHUNKS];
+  uint4 v[KV_CHUNKS];
+  uint4 q[STAGES * QT_CHUNKS];     // [STAGES][QT_CHUNKS]
+  uint4 dout[STAGES * QT_CHUNKS];
+  uint4 ds[DS_STAGES * DS_TILES * DS_TILE];  // dS^T (, P^T) [DS_STAGES][DS_TILES][BLOCK_N keys][BLOCK_M queries]
+  // The dQ hand-off buffers [DQ_STAGES][DQ_TILE] (none with DKV_SPLIT), then lse2 / delta
+  // [STAGES][lse2, delta][BLOCK_M]: one array, so that a zero DQ_STAGES moves nothing.
+  float dq_and_stats[DQ_STAGES * DQ_TILE + STAGES * 2 * BLOCK_M];
+  float dq_scratch[DQ_SCRATCH > 0 ? DQ_SCRATCH : 1];  // DKV_SPLIT: [warp][8 rows][DQ_SN]
+};
+constexpr int SMEM_BYTES = offsetof(SharedStorage, dq_scratch) + DQ_SCRATCH * 4 + 1024;
 static_assert(BLOCK_N == (DKV_SPLIT ? 64 : 128) && BLOCK_M == 64,
               "wgmma rung: 2 warpgroups x 64 keys (DKV_SPLIT: both on 64), 64 queries a step");
 static_assert(HEAD_DIM % 64 == 0 && (DKV_SPLIT ? HEAD_DIM == 256 : HEAD_DIM <= 128),

@@ -3,8 +3,8 @@
   // Otherwise merge the warp columns' states through shared memory (the pipeline buffers are
   // free once every copy landed).
   __syncthreads();
-  float* epi_o = reinterpret_cast<float*>(smem);           // [WARPS_N][BLOCK_M][EPI_STRIDE]
-  float* epi_ml = epi_o + WARPS_N * BLOCK_M * EPI_STRIDE;  // [WARPS_N][BLOCK_M][2]
+  float* epi_o = shared.merge.o;
+  float* epi_ml = shared.merge.ml;
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll

@@ -131,7 +131,25 @@ constexpr int EPI_BYTES = WARPS_N * BLOCK_M * (EPI_STRIDE + 2) * 4;
 // measured 0 and -3% with it (the main loop's register allocation changes): they keep this one.
 constexpr bool REGISTER_EPILOGUE = WARPS_N == 1 && (HEAD_DIM > 128 || WGMMA);
 // wgmma's atoms must be 1024-aligned: room to align the dynamic shared memory base.
-constexpr int SMEM_BYTES = (PIPE_BYTES > EPI_BYTES ? PIPE_BYTES : EPI_BYTES) + (ATOMS ? 1024 : 0);
+// varlen_fwd's dynamic shared memory: Q and the K / V stage rings while the tiles run; after
+// them (every copy landed), the merge of the warp columns' states (epilogue, WARPS_N > 1).
+struct SharedStorage {
+  struct Pipeline {
+    uint4 q[BLOCK_M * ROW_CHUNKS];
+    uint4 k[STAGES * TILE_CHUNKS];  // [STAGES][TILE_CHUNKS]
+    uint4 v[STAGES * TILE_CHUNKS];
+  };
+  struct Merge {
+    float o[WARPS_N * BLOCK_M * EPI_STRIDE];  // [WARPS_N][BLOCK_M][EPI_STRIDE]
+    float ml[WARPS_N * BLOCK_M * 2];          // [WARPS_N][BLOCK_M][max, sum]
+  };
+  union {
+    Pipeline pipe;
+    Merge merge;
+  };
+};
+static_assert(sizeof(SharedStorage) == (PIPE_BYTES > EPI_BYTES ? PIPE_BYTES : EPI_BYTES), "SharedStorage: no padding");
+constexpr int SMEM_BYTES = sizeof(SharedStorage) + (ATOMS ? 1024 : 0);
 static_assert(SMEM_BYTES <= 227 * 1024, "tile shape needs more shared memory than an SM has (227 KB)");
 static_assert(!PERSISTENT || (PRODUCER && TMA && !DECODE && !DEFER_PV && REGISTER_EPILOGUE &&
                               (WARPS / 4 - K_STAGED_WGS) * 64 <= BLOCK_N),
