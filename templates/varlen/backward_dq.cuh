@@ -2,8 +2,7 @@
 // backward.cu.j2 after backward_wgmma.cuh, whose main kernel then computes dK / dV only.
 //
 // Why a kernel of its own: with 64 keys a CTA the main kernel adds every query tile's dQ into an
-// fp32 accumulator once per key tile (a full 8 x 4k x 16-head D256 backward: 32 GB of L2
-// reductions), and the L2's reduction rate (~1.5 TB/s on the H200) made that the kernel's whole
+// fp32 accumulator once per key tile, and the L2's reduction rate made that the kernel's whole
 // time (notes/backward-d256.md). Query-major, the sum over keys stays in registers: no
 // accumulator, no atomics, no postprocess, and a fixed order (bitwise deterministic as it is).
 // It recomputes S and dP: 3 GEMMs a (query, key) tile here beside the main kernel's 4.

@@ -14,8 +14,8 @@
 // its own keys, so a query tile is reached by the highest key tile first and by tile 0 last:
 // the order there is descending (highest key tile adds first) and the key tiles of a
 // (sequence, KV head) are laid out highest first too (j ascending). Ascending, it would run the
-// tiles of a sequence as a wavefront, one tile behind the other (measured 1.5-1.65x the
-// default's time, causal 8 x 4k on the H200). Without a right edge every tile starts at query
+// tiles of a sequence as a wavefront, one tile behind the other (measured far slower:
+// notes/backward-h200.md). Without a right edge every tile starts at query
 // tile 0, and the order is ascending.
 //
 // Plain arithmetic on BwdParams (no device intrinsics), so tests compile it on the host too
@@ -132,7 +132,7 @@ __device__ __forceinline__ QueryTile query_tile(const BwdParams& p, const Work& 
   QueryTile t;
   // Its rows r_lo = pr0 / pack and r_hi = pr_last / pack against the window, without dividing
   // (for a >= 0 and integer x: a / pack < x iff a < x * pack, a / pack > x iff a >= (x + 1) *
-  // pack): a division by the run-time pack each tile was ~4% of a causal backward (ncu).
+  // pack): a division by the run-time pack each tile showed in ncu's profile of a causal backward.
   t.masked = w.n0 + BLOCK_N > w.k_len ||
              (p.window_left >= 0 && pr_last >= (int64_t(w.n0) - off + p.window_left + 1) * p.pack) ||
              (p.window_right >= 0 && pr0 < (int64_t(w.n0) + BLOCK_N - 1 - off - p.window_right) * p.pack);

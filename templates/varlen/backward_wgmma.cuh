@@ -137,8 +137,8 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   // of a counter past the grid whenever it starts another, so the CTA that finishes first takes
   // the next item, as the hardware launches blocks without PERSISTENT. CTAs on neighbouring key
   // tiles of one (sequence, KV head) stay close in time and can share their Q / dO tiles in L2
-  // (a static snake over the grid measured within 1-3% of this, both behind a CTA per key tile
-  // at D128: notes/backward-h200.md). Every other warp waits for the item the loader published
+  // (a static snake over the grid measured about the same: notes/backward-h200.md). Every
+  // other warp waits for the item the loader published
   // and, at the item's end, frees its slot.
 {% if persistent %}
   auto published_item = [&](unsigned n) {
@@ -252,9 +252,8 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
       load_row_stats(d, delta, q0, c);
       scored_probs_to_dscores(p, w, m, key0, q0, g, c, s4, dp4, l, d, sl2);
     } else {
-      // lse2 / delta read after the waits. lse2 read before them (under the GEMMs, 16 more
-      // registers live across the wait) measured slower on the H200: bf16 8 x 4k, full / causal
-      // D64 -3% / -2%, D128 -1% (notes/backward-h200.md).
+      // lse2 / delta read after the waits: lse2 read before them (under the GEMMs, 16 more
+      // registers live across the wait) measured slower (notes/backward-h200.md).
       wgmma_wait<1>();
       wgmma_pin(s);
       load_row_stats(l, lse2, q0, c);

@@ -53,9 +53,8 @@ constexpr int DQ_STAGES = PRODUCER && !DKV_SPLIT ? 2 : 0;
 constexpr int DQ_TILE = BLOCK_M * HEAD_DIM;    // floats of one dQ hand-off buffer
 // DKV_SPLIT: each warp's 8 rows x DQ_SN columns of dQ, where its fragments are turned into rows
 // so that each vector atomic instruction adds 4 whole 128-byte lines instead of 16 rows' 32
-// bytes. The L2's fp32 reductions bound this kernel (64 KB of dQ a step): in isolation on the
-// H200 (132 CTAs, 64 x 256 tiles into 512 MB) 4 lines an instruction add 1.33 TB/s against
-// 0.98 for the fragments' 16 rows (bulk reduce-add from shared memory: 1.46).
+// bytes. The L2's fp32 reductions bound this kernel (64 KB of dQ a step), and whole lines add
+// faster (notes/template-figures.md, "backward_wgmma.cuh").
 {% if dq_kernel %}
 constexpr int DQ_SCRATCH = 0;
 static_assert(DKV_SPLIT && PRODUCER, "dq_kernel: the head_dim 256 split with the producer");
@@ -88,8 +87,8 @@ static_assert(2 * STAGES * QT_CHUNKS >= 2 * BLOCK_N * ROW_CHUNKS, "the dK / dV e
 // walks many key tiles (work items). Between two items the compute warps only stage dK / dV in
 // shared memory and go on: the storer warp copies them out (TMA stores of 8-row boxes) under the
 // next item's first tile, and the loader has copied that item's K / V and first query tiles
-// meanwhile, so an item's start (~3 µs of K / V and first-tile latency) and most of its
-// epilogue (~2 µs at D128) leave the critical path. The staging is the dQ hand-off buffers
+// meanwhile, so an item's start (K / V and first-tile latency) and most of its epilogue
+// leave the critical path. The staging is the dQ hand-off buffers
 // (free once the last bulk add read them; the next item's first hand-off waits for the
 // storer), not the Q / dO stages the loader is filling; the stage and dQ-buffer rings run on
 // across items (`ring`: the query tiles of earlier items). K / V come by the loader's TMA (a

@@ -25,9 +25,8 @@ struct PageIds {
 };
 // Paged, a producer that kept all of a tile's page ids (one per row) spilled 84 bytes at 40
 // registers (D128; 48 at D256) and needed 72 (compute 216); with one id per lane 56 (compute
-// 224) leave at most a word (at 40 ptxas spilled 10-19). The paged TMA producer at 40 / 232
-// (its cp.async path spilling 44 words) measured no gain on the H200 (bf16 D128 8 x 4k, page
-// 16 / 256 full 551 / 569 against 571 / 577 TFLOP/s, notes/paged-h200.md): it keeps 56.
+// 224) leave at most a word (at 40 ptxas spilled 10-19). The paged TMA producer keeps 56 too:
+// 40 / 232 measured no gain (notes/paged-h200.md).
 {% if has_producer and warps_m == 12 %}
 // Three compute warpgroups (192 rows): 512 threads launch with 128 registers each, split as
 // FlashAttention-3 does (32 / 160). At 152 / 40 ptxas serialized every wgmma (D64, 44 DEPBARs),
@@ -165,9 +164,7 @@ __device__ __forceinline__ void load_kv_tile(const VarlenParams& p, const Work& 
 // copy plus one add. Slots of one row serve every page size; slots of WIDE_ROWS rows (2 a tile
 // at block_n 32) serve pages of at least WIDE_ROWS rows. The lookups are issued a tile ahead
 // and nothing reads them until that tile's copy: checking them at once stalled the warps on
-// the table load (a third of ncu's stall samples, paged 255 vs packed 245 us). H200, bf16 D128,
-// 64 x 4k keys, 32/8 heads, page 16 random, interleaved rounds: paged 260.2 -> 243.2 us against
-// packed 240.5 and SDPA 240.4 (one-row slots only: 245.4; notes/paged-decode-h200.md).
+// the table load (a third of ncu's stall samples). Why: notes/paged-decode-h200.md.
 constexpr bool PAGE_SLOTS = PAGED && DECODE && FIXED_CHUNK && !TMA;
 constexpr int WIDE_ROWS = 16, WIDE_SHIFT = 4;
 constexpr int WIDE_RUN = WIDE_ROWS % ROW_STEP == 0 ? WIDE_ROWS / ROW_STEP : 1;  // rows of a wide slot a thread copies

@@ -10,7 +10,7 @@
     // proxy) reads; the stage is full when all have. At most one tile is copied but not yet
     // published, and it is published before the producer blocks on a free stage: the warps
     // need it next. (Blocking with it in flight, two tiles in flight instead of one, delayed
-    // it until the stage came free: -17% at D128, -8% at D256, bf16 8 x 4k full, H200.)
+    // it until the stage came free: notes/template-figures.md, "fwd_producer.cuh".)
     int unpublished = -1;
     auto publish = [&](auto landed) {
       if (unpublished < 0) return;
@@ -36,7 +36,7 @@
     // The first thread takes the items: the CTA's own index first, then the next untaken one
     // (work_counter), so the CTAs walk decode_work's heaviest-first order together, as a grid of
     // a CTA per item does (a fixed stride of gridDim.x, measured first, let them drift apart
-    // over a causal batch: -6% at 8 x 4k D128, -11% at 32 x 1k); the others read its slot.
+    // over a causal batch: notes/forward-h200.md); the others read its slot.
     for (unsigned done = 0, item = blockIdx.x;; ++done) {
     Work w;
     const unsigned slot = done % ITEM_SLOTS;

@@ -14,7 +14,7 @@ struct Work {
 // last rows see the most keys when causal, and only long sequences have high blocks); inside
 // a band the blocks of one (sequence, KV head) are adjacent, so the CTAs that stream the same
 // K/V run side by side and share it in L2 (KV head fastest instead re-read K/V from DRAM
-// once per resident row block: 14% L2 hits and half the DRAM bandwidth at 8 x 4k). Then KV
+// once per resident row block: notes/template-figures.md, "fwd_schedule.cuh"). Then KV
 // heads, whose rows sit side by side in memory (one DRAM burst for a token's heads), then
 // splits and sequences.
 constexpr int M_BAND = 1024 / BLOCK_M > 1 ? 1024 / BLOCK_M : 1;
@@ -27,7 +27,7 @@ constexpr int M_BAND = 1024 / BLOCK_M > 1 ? 1024 / BLOCK_M : 1;
 // its keys are stored: paged and packed keys give the same bits. merge_splits asks here too.
 __device__ __forceinline__ bool block_extent(const VarlenParams& p, Work& w, int& t_lo, int& t_hi) {
   // Every metadata load first, so they share one memory latency: the key side's behind the
-  // early return below cost a second one (0.5 us of a CTA's start on the H200).
+  // early return below cost a second one (clock stamps: notes/forward-h200.md).
   w.q_start = p.cu_seq_q[w.seq];
   const int q_end = p.cu_seq_q[w.seq + 1];
   const int used = p.seqused_k ? p.seqused_k[w.seq] : 0;

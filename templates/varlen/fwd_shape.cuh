@@ -20,11 +20,10 @@ constexpr int STAGES = {{ stages }};
 constexpr int WARPS = WARPS_M * WARPS_N;  // the warps that compute
 // wgmma: one more warpgroup, the producer, does every K/V copy and hands stages to the compute
 // warpgroups through mbarriers, so they never wait on each other (a CTA barrier per tile held
-// the two warpgroups in lockstep: 21% of their cycles stalled on it, ncu, D128 causal).
-// Registers are moved from it to them (setmaxnreg): 128 x PRODUCER_REGS + WARPS x 32 x
-// COMPUTE_REGS fit the 64K register file. +9-10% at D128 and D256 on the H200; at D64 one CTA
-// per SM with a cp.async producer lost to two without (-17%), with a TMA one (128 keys x 4
-// stages) it gains 3-5%, so D64 takes the producer only with TMA.
+// the two warpgroups in lockstep). Registers are moved from it to them (setmaxnreg): 128 x
+// PRODUCER_REGS + WARPS x 32 x COMPUTE_REGS fit the 64K register file. At D64 a cp.async
+// producer (one CTA per SM) loses to two CTAs without one; a TMA one wins, so D64 takes the
+// producer only with TMA (VarlenSpec.has_producer; why: notes/forward-h200.md).
 constexpr bool PRODUCER = {{ "true" if has_producer else "false" }};
 constexpr int THREADS = WARPS * 32 + (PRODUCER ? 128 : 0);
 constexpr int LOADERS = PRODUCER ? 128 : THREADS;  // threads that copy K/V tiles
@@ -32,9 +31,8 @@ constexpr int LOADERS = PRODUCER ? 128 : THREADS;  // threads that copy K/V tile
 // box per tile, or per page of it, issued by lanes of its first warp) that complete on full[s]
 // by bytes, so up to STAGES tiles fly at once and no thread waits on them. A sequence's last
 // tile when it is not full (rows past the keys must be zeros: the next sequence's V can hold
-// NaN), tiles with a bad page id and pages under 8 rows still take cp.async. On the H200 (bf16
-// 8 x 4k) paged prefill runs 2x the cp.async producer's speed, 0.95x of contiguous at D128; see
-// VarlenSpec.takes_tma for which calls take it.
+// NaN), tiles with a bad page id and pages under 8 rows still take cp.async. VarlenSpec.takes_tma
+// says which calls take it (why: notes/paged-h200.md).
 constexpr bool TMA = {{ "true" if uses_tma else "false" }};
 // The decode tile (no producer: its warps copy and compute in lockstep) takes TMA too: thread 0
 // issues a tile's boxes onto full[stage] and every warp waits there as well as on its own
@@ -67,8 +65,8 @@ constexpr bool DEFER_PV = PINGPONG || OVERLAP;
 // stage (every warpgroup done with it: EPI_BAR; the first K_STAGED_WGS warpgroups' rows in its
 // K, the others' in its V), from where whole 8-row groups leave by TMA stores whose reads are
 // waited for under the next item's first S = Q K^T, and only then is the stage handed back
-// (the warps' own 16-byte stores measured 4% / 7% slower at 32 x 1k D128 full / causal on an
-// H100, level at 8 x 4k). The stage ring runs on across items (`ring`: tiles of earlier items).
+// (the warps' own 16-byte stores measured slower: notes/forward-h200.md). The stage ring runs
+// on across items (`ring`: tiles of earlier items).
 // Each item's arithmetic is a CTA's of the other schedule: the same bits.
 constexpr bool PERSISTENT = {{ "true" if persistent else "false" }};
 constexpr int ITEM_SLOTS = 2;
@@ -126,9 +124,9 @@ constexpr int PIPE_BYTES = (BLOCK_M + 2 * STAGES * BLOCK_N) * ROW_CHUNKS * 16;
 constexpr int EPI_STRIDE = HEAD_DIM + 4;
 constexpr int EPI_BYTES = WARPS_N * BLOCK_M * (EPI_STRIDE + 2) * 4;
 // Prefill shapes at head_dim > 128 finish in registers instead (one CTA per SM there, so the
-// epilogue is not hidden behind another CTA: +2-3% at D256 on the H200), and so do all wgmma
-// shapes (their warps share no CTA barrier after the start). At D64/128 the mma.sync kernels
-// measured 0 and -3% with it (the main loop's register allocation changes): they keep this one.
+// epilogue is not hidden behind another CTA), and so do all wgmma shapes (their warps share no
+// CTA barrier after the start). The mma.sync kernels at D64/128 keep this one: theirs measured
+// no better in registers (the main loop's register allocation changes; notes/forward-h200.md).
 constexpr bool REGISTER_EPILOGUE = WARPS_N == 1 && (HEAD_DIM > 128 || WGMMA);
 // wgmma's atoms must be 1024-aligned: room to align the dynamic shared memory base.
 // varlen_fwd's dynamic shared memory: Q and the K / V stage rings while the tiles run; after
