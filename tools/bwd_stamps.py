@@ -50,7 +50,8 @@ persistent = [false, true]
 RECORD = 400  # 32-bit words a CTA
 MAX_CTAS = 16384
 
-# (anchor text in templates/varlen/backward_wgmma.cuh, replacement); each anchor must occur once.
+# (anchor text in templates/varlen/backward_wgmma.cuh or backward_wgmma_producer.cuh, replacement);
+# each anchor must occur once.
 KERNEL_EDITS = [
     ("__global__ void __launch_bounds__(THREADS, 1) varlen_bwd(",
      f"__device__ unsigned g_stamps[{MAX_CTAS} * {RECORD}];\n"
@@ -123,11 +124,14 @@ def build(out: Path) -> None:
         shutil.rmtree(out)
     for part in ("jitattn", "templates"):
         shutil.copytree(ROOT / part, out / part, ignore=shutil.ignore_patterns("__pycache__"))
-    kernel = out / "templates/varlen/backward_wgmma.cuh"
-    text = kernel.read_text()
+    # The kernel's body spans backward_wgmma.cuh and its producer part: each anchor is edited where it is.
+    parts = [out / "templates/varlen/backward_wgmma.cuh", out / "templates/varlen/backward_wgmma_producer.cuh"]
+    texts = {part: part.read_text() for part in parts}
     for anchor, replacement in KERNEL_EDITS:
-        text = edit_once(text, anchor, replacement, kernel.name)
-    kernel.write_text(text)
+        holder = next((part for part in parts if anchor in texts[part]), parts[0])
+        texts[holder] = edit_once(texts[holder], anchor, replacement, holder.name)
+    for part, text in texts.items():
+        part.write_text(text)
     launcher = out / "templates/varlen/backward.cu.j2"
     text = edit_once(launcher.read_text(), LAUNCH_ANCHOR, LAUNCH_ANCHOR + LAUNCH_DUMP, launcher.name)
     text = edit_once(text, "#include <climits>\n", "#include <climits>\n#include <cstdio>\n#include <cstdlib>\n#include <vector>\n",
