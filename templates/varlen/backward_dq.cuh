@@ -308,13 +308,13 @@ __global__ void __launch_bounds__(DQ_THREADS, 1) varlen_bwd_dq(const __grid_cons
   for (int i = 0; i < tiles; ++i) {
     const int n = w.n_begin + i, ks = i % DQ_K_STAGES, vs = i % DQ_V_STAGES;
     const uint64_t kd = k_desc + ks * DQ_KV_CHUNKS, vd = v_desc + vs * DQ_KV_CHUNKS;
-    mbarrier_wait(&k_full[ks], (i / DQ_K_STAGES) & 1);
+    mbarrier_wait(&k_full[ks], use_parity<DQ_K_STAGES>(i));
     wgmma_fence();
     Wgmma<T, DQ_KEYS>::ss<0, 0>(s, q_desc, kd);
 #pragma unroll
     for (int kt = 1; kt < HEAD_DIM / 16; ++kt) Wgmma<T, DQ_KEYS>::ss<1, 0>(s, q_desc + dq_q_step(kt), kd + k_step(kt));
     wgmma_commit();
-    mbarrier_wait(&v_full[vs], (i / DQ_V_STAGES) & 1);
+    mbarrier_wait(&v_full[vs], use_parity<DQ_V_STAGES>(i));
     Wgmma<T, DQ_KEYS>::ss<0, 0>(dp, do_desc, vd);
 #pragma unroll
     for (int kt = 1; kt < HEAD_DIM / 16; ++kt) Wgmma<T, DQ_KEYS>::ss<1, 0>(dp, do_desc + dq_q_step(kt), vd + k_step(kt));

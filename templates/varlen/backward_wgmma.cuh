@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
 {% if persistent %}
   auto published_item = [&](unsigned n) {
     const unsigned slot = n % ITEM_SLOTS;
-    mbarrier_wait(&item_full[slot], (n / ITEM_SLOTS) & 1);
+    mbarrier_wait(&item_full[slot], use_parity<ITEM_SLOTS>(n));
     return item_slot[slot] >= 0;
   };
   auto release_item = [&](unsigned n) {
@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     const auto q = ring + i;  // the tile's place in the rings (PERSISTENT: unsigned, so % and / are bit ops)
     const int stage = q % STAGES;
     if constexpr (PRODUCER) {
-      mbarrier_wait(&full[stage], (q / STAGES) & 1);
+      mbarrier_wait(&full[stage], use_parity<STAGES>(q));
     } else {
       cp_async_wait<0>();
       fence_proxy_async_shared();  // the copies, before wgmma reads them
@@ -407,7 +407,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
         // then write 256 bytes in two conflict-free wavefronts.
         const int row = (warp % 4) * 16 + g;  // this thread's dQ rows: row, row + 8
         const int b = q % DQ_STAGES;
-        if (q >= DQ_STAGES) mbarrier_wait(&dq_empty[b], (q / DQ_STAGES + 1) & 1);
+        if (q >= DQ_STAGES) mbarrier_wait(&dq_empty[b], free_parity<DQ_STAGES>(q));
         if (PERSISTENT && i == 0 && done > 0) mbarrier_wait(&stored, (done - 1) & 1);  // the buffers staged dK / dV
         float* buf = dq_smem + b * DQ_TILE;
         const int x = static_cast<int>(accum_row(p, w, row) & 7);  // rows row and row + 8 alike (BLOCK_M % 8 == 0)
@@ -454,8 +454,8 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   if constexpr (PERSISTENT) {
     if (lane == 0) mbarrier_arrive(&kv_empty);
     const auto n = ring + tiles;  // dQ hand-offs so far
-    if (n >= 1) mbarrier_wait(&dq_empty[(n - 1) % DQ_STAGES], ((n - 1) / DQ_STAGES) & 1);
-    if (n >= 2) mbarrier_wait(&dq_empty[(n - 2) % DQ_STAGES], ((n - 2) / DQ_STAGES) & 1);
+    if (n >= 1) mbarrier_wait(&dq_empty[(n - 1) % DQ_STAGES], use_parity<DQ_STAGES>(n - 1));
+    if (n >= 2) mbarrier_wait(&dq_empty[(n - 2) % DQ_STAGES], use_parity<DQ_STAGES>(n - 2));
     if (done > 0) mbarrier_wait(&stored, (done - 1) & 1);
     stage_dk_dv<Tiles>(p, dk4, dv4, key0, g, c, [](int t) { return t; }, reinterpret_cast<uint4*>(dq_smem));
     fence_proxy_async_shared();  // for the TMA stores' (async proxy) reads

@@ -26,7 +26,7 @@
           Work probe;
           while (next >= 0 && !decode_work(p, probe, static_cast<unsigned>(next))) next = fetch_item();
           const unsigned slot = n % ITEM_SLOTS;
-          if (n >= ITEM_SLOTS) mbarrier_wait(&item_empty[slot], (n / ITEM_SLOTS + 1) & 1);
+          if (n >= ITEM_SLOTS) mbarrier_wait(&item_empty[slot], free_parity<ITEM_SLOTS>(n));
           if (lane == 0) {
             item_work[slot] = probe;
             item_slot[slot] = next;
@@ -64,7 +64,7 @@
         for (int i = 0; i < tiles; ++i) {
           const auto q = ring + i;  // unsigned when PERSISTENT: the rings' % and / are bit ops
           const int s = q % STAGES, m = w.m_begin + i;
-          if (q >= STAGES) mbarrier_wait(&empty[s], (q / STAGES + 1) & 1);
+          if (q >= STAGES) mbarrier_wait(&empty[s], free_parity<STAGES>(q));
           float* st = stats + s * 2 * BLOCK_M;
           // A sequence's last tile, when partial, by cp.async: its rows past the sequence must
           // be zeros (TMA would read the next sequence's, or the unused tail's, rows; a NaN
@@ -122,7 +122,7 @@
         for (int i = 0; i < tiles; ++i) {
           const auto q = ring + i;
           const int b = q % DQ_STAGES, m = w.m_begin + i;
-          mbarrier_wait(&dq_full[b], (q / DQ_STAGES) & 1);
+          mbarrier_wait(&dq_full[b], use_parity<DQ_STAGES>(q));
           int* sem = p.semaphores ? dq_semaphore(p, w, m) : nullptr;
           if (sem) {
             const int turn = query_tile(p, w, m).turn;

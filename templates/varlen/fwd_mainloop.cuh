@@ -7,14 +7,14 @@
     constexpr int MASK = decltype(mask_mode)::value;
     const int stage = (ring + tile - w.tile_begin) % STAGES;
 {% if has_producer %}
-    mbarrier_wait(&full[stage], ((ring + tile - w.tile_begin) / STAGES) & 1);
+    mbarrier_wait(&full[stage], use_parity<STAGES>(ring + tile - w.tile_begin));
 {% else %}
     cp_async_wait<AHEAD - 1>();
 {% if wgmma %}
     fence_proxy_async_shared();  // the copies, before wgmma reads them
 {% endif %}
 {% if uses_tma %}
-    mbarrier_wait(&full[stage], ((ring + tile - w.tile_begin) / STAGES) & 1);
+    mbarrier_wait(&full[stage], use_parity<STAGES>(ring + tile - w.tile_begin));
     // As below, and whether the next tile's page ids (in `pages`) are all good.
     const bool ids_ok = __syncthreads_and(page_ids_ok(p, pages));
 {% else %}
@@ -168,7 +168,7 @@
       }
       float(&acc)[CHUNKS * 4] = reinterpret_cast<float(&)[CHUNKS * 4]>(o);
 {% if split_kv %}
-      mbarrier_wait(&full_v[stage], ((ring + tile - w.tile_begin) / STAGES) & 1);
+      mbarrier_wait(&full_v[stage], use_parity<STAGES>(ring + tile - w.tile_begin));
 {% endif %}
       wgmma_pin(acc);
       wgmma_fence();

@@ -45,12 +45,12 @@
       for (; item < items && !(have = decode_work(p, w, item));)
         item = gridDim.x + atomicAdd(p.work_counter, 1);
       if (have) item = gridDim.x + atomicAdd(p.work_counter, 1);  // the next one, under this item
-      if (done >= ITEM_SLOTS) mbarrier_wait(&item_empty[slot], (done / ITEM_SLOTS + 1) & 1);
+      if (done >= ITEM_SLOTS) mbarrier_wait(&item_empty[slot], free_parity<ITEM_SLOTS>(done));
       if (!have) w.seq = -1;  // no more items: every role stops there
       item_work[slot] = w;
       mbarrier_arrive(&item_full[slot]);  // (release: after the slot's writes)
     } else {
-      mbarrier_wait(&item_full[slot], (done / ITEM_SLOTS) & 1);
+      mbarrier_wait(&item_full[slot], use_parity<ITEM_SLOTS>(done));
       w = item_work[slot];
     }
     __syncwarp();
@@ -107,7 +107,7 @@
       if (i + 1 < tiles) fetch_page_ids(p, w, w.tile_begin + i + 1, next_pages, loader);
       if (ring + i >= STAGES) {
         publish([] { cp_async_wait<0>(); });
-        mbarrier_wait(&empty[s], ((ring + i) / STAGES + 1) & 1);  // the stage's previous tile is done (SPLIT_KV: its K)
+        mbarrier_wait(&empty[s], free_parity<STAGES>(ring + i));  // the stage's previous tile is done (SPLIT_KV: its K)
       }
 {% if uses_tma %}
       const int tile = w.tile_begin + i;
@@ -123,7 +123,7 @@
           tma_kv_tile<1>(map_k, map_v, tma_rows, p, w, tile, pages, k_smem + s * TILE_CHUNKS, v_smem + s * TILE_CHUNKS,
                          &full[s], loader);
         if (loader != 0) mbarrier_arrive(&full[s]);  // lane 0 arrived with the bytes
-        if (ring + i >= STAGES) mbarrier_wait(&empty_v[s], ((ring + i) / STAGES + 1) & 1);
+        if (ring + i >= STAGES) mbarrier_wait(&empty_v[s], free_parity<STAGES>(ring + i));
         if (loader < 32)
           tma_kv_tile<2>(map_k, map_v, tma_rows, p, w, tile, pages, k_smem + s * TILE_CHUNKS, v_smem + s * TILE_CHUNKS,
                          &full_v[s], loader);
@@ -143,7 +143,7 @@
       }
 {% endif %}
 {% if split_kv %}
-      if (ring + i >= STAGES) mbarrier_wait(&empty_v[s], ((ring + i) / STAGES + 1) & 1);  // cp.async copies K and V together
+      if (ring + i >= STAGES) mbarrier_wait(&empty_v[s], free_parity<STAGES>(ring + i));  // cp.async copies K and V together
 {% endif %}
       load_kv_tile(p, w, cursor, w.tile_begin + i, pages, k_smem + s * TILE_CHUNKS, v_smem + s * TILE_CHUNKS, loader);
       cp_async_commit();
