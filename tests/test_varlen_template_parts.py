@@ -11,7 +11,7 @@ import pytest
 from jitattn.jit import render
 from jitattn.varlen.spec import VarlenBackwardSpec, VarlenSpec
 
-SHARED_PARTS = {"varlen/tile_scheduler.cuh", "varlen/mask.cuh", "varlen/score.cuh", "varlen/hooks.cuh",
+SHARED_PARTS = {"varlen/tile_scheduler.cuh", "varlen/pipeline.cuh", "varlen/mask.cuh", "varlen/score.cuh", "varlen/hooks.cuh",
                 "varlen/packed_rows.cuh"}
 MAX_TEMPLATE_LINES = 600
 
@@ -29,7 +29,7 @@ def _render_with(spec, **extra) -> str:
     return env.get_template(spec.sources["kernels.cu"]).render(**context)
 
 
-def test_forward_and_backward_include_the_same_scheduler_mask_score_and_row_map_parts():
+def test_forward_and_backward_include_the_same_scheduler_pipeline_mask_score_and_row_map_parts():
     forward, backward = _files(VarlenSpec), _files(VarlenBackwardSpec)
     assert SHARED_PARTS <= forward
     assert SHARED_PARTS <= backward
