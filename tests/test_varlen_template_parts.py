@@ -4,6 +4,7 @@ first user, and the decisions the templates read from the spec (no compiles)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import jinja2
 import pytest
@@ -90,3 +91,35 @@ def test_the_forward_template_takes_the_producer_decision_from_the_spec(has_prod
 def test_the_forward_template_re_derives_no_spec_decision():
     text = (render.templates_dir() / "varlen" / "kernels.cu.j2").read_text()
     assert not re.search(r"{%\s*set\s+(producer|tma|has_producer|uses_tma)\b", text)
+
+
+@pytest.mark.parametrize("scale,cap", [(0.125, 30.0), (0.0884, 50.0), (1.0, 2.0)])
+def test_the_score_hooks_honour_their_contract_for_the_kernels(tmp_path, scale, cap):
+    """score.cuh's contract, on the real source compiled for the host: the logit is
+    L = scale_log2 / log2(e) * score(s) (soft cap: cap * tanh(scale * s / cap); none: scale * s),
+    and dscore is dL/ds / scale (what the backward multiplies dS by)."""
+    import math
+    import random
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    root = render.templates_dir()
+    binary = tmp_path / "score_hook"
+    subprocess.run([cxx, "-O1", "-std=c++17", f"-I{root}", str(Path(__file__).resolve().parent / "native" / "score_hook.cpp"),
+                    "-o", str(binary)], check=True)
+    rng = random.Random()
+    logits = [rng.uniform(-4 * cap / scale, 4 * cap / scale) for _ in range(200)] + [0.0]
+    out = subprocess.run([str(binary), str(scale), str(cap)], input=" ".join(map(repr, logits)),
+                         capture_output=True, text=True, check=True).stdout.split("\n")
+    rows = [list(map(float, line.split())) for line in out if line]
+    assert len(rows) == len(logits)
+    for s, capped, dcapped, plain, dplain in rows:
+        # soft cap: scale_log2 = cap * log2(e), so L = cap * score
+        assert cap * capped == pytest.approx(cap * math.tanh(scale * s / cap), abs=1e-5 * cap)
+        slope = (math.tanh(scale * (s + 1e-3) / cap) - math.tanh(scale * (s - 1e-3) / cap)) * cap / 2e-3
+        assert dcapped == pytest.approx(slope / scale, abs=1e-4)
+        # no hook: scale_log2 = scale * log2(e), so L = scale * score
+        assert plain == s and dplain == 1.0
