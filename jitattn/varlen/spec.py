@@ -249,7 +249,10 @@ class VarlenSpec(KernelSpec):
         return self.warps_m * self.m_tiles * 16
 
     def params(self) -> dict:
-        return {**super().params(), "warps_n": self.warps_n}
+        # Decisions the templates read rather than re-derive: the producer warpgroup, and TMA
+        # (which __post_init__ allows only with the producer or on a decode tile).
+        return {**super().params(), "warps_n": self.warps_n, "has_producer": self.has_producer,
+                "uses_tma": self.tma and (self.has_producer or self.decode)}
 
     def to_dict(self) -> dict:
         return {"family": self.family, **super().params()}

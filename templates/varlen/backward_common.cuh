@@ -60,9 +60,9 @@ __device__ __forceinline__ void load_query_tile(const BwdParams& p, const Work& 
     const bool valid = pr < w.rows;
     int64_t q_off = 0, do_off = 0;
     if (valid) {
-      const int r = pr / p.pack;
-      const int64_t token = int64_t(w.q_start) + r;
-      const int head = w.kv_head * p.pack + (pr - r * p.pack);
+      const TokenHead th = packed_row(pr, p.pack, w.q_start, w.kv_head);
+      const int64_t token = th.token;
+      const int head = th.head;
       q_off = token * p.q_stride_token + head * p.q_stride_head + chunk * 8;
       do_off = token * p.dout_stride_token + head * p.dout_stride_head + chunk * 8;
     }
@@ -110,26 +110,33 @@ __device__ __forceinline__ void probs_to_dscores(const float (&pt)[TILES][4], fl
     for (int e = 0; e < 4; ++e) dp[t][e] = pt[t][e] * (dp[t][e] - ((e & 1) ? d[t].y : d[t].x));
 }
 
-// With a soft cap, S^T and dP^T -> P^T and dS^T in place in one pass: the logit is
-// cap * tanh(scale * s / cap), whose slope 1 - tanh^2 (times scale, applied to dQ and dK
-// later) multiplies dS^T, so tanh is needed at both steps and never stored.
+// With the score hook (ScoreMod, score.cuh: the soft cap), S^T and dP^T -> P^T and dS^T in
+// place in one pass: P^T from the hook's score, dS^T times its slope dscore (scale is applied to
+// dQ and dK later), so the score is needed at both steps and never stored. Element (t, e): key
+// key0 + g (+ 8 for e >= 2) of the key tile, packed row m * BLOCK_M + q0 + 8 t + 2 c + (e & 1).
 template <int TILES>
-__device__ __forceinline__ void capped_scores_to_dscores(float (&s)[TILES][4], float (&dp)[TILES][4],
-                                                         const float2 (&l)[TILES], const float2 (&d)[TILES],
-                                                         float sl2, float cap_scale) {
+__device__ __forceinline__ void scored_probs_to_dscores(const BwdParams& p, const Work& w, int m, int key0, int q0,
+                                                        int g, int c, float (&s)[TILES][4], float (&dp)[TILES][4],
+                                                        const float2 (&l)[TILES], const float2 (&d)[TILES],
+                                                        float sl2) {
+  const ScoreMod score_mod(p);
 #pragma unroll
   for (int t = 0; t < TILES; ++t) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float th = tanh_from_exp2(s[t][e] * cap_scale);
-      s[t][e] = fast_exp2(fmaf(th, sl2, -((e & 1) ? l[t].y : l[t].x)));
-      dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? d[t].y : d[t].x)) * fmaf(-th, th, 1.f);
+      const int kv = w.n0 + key0 + g + 8 * (e / 2);
+      const TokenHead th = packed_row(m * BLOCK_M + q0 + 8 * t + 2 * c + (e & 1), p.pack, w.q_start, w.kv_head);
+      const float raw = s[t][e];
+      const float score = score_mod.score(raw, w.seq, th.head, th.token - w.q_start, kv);
+      s[t][e] = fast_exp2(fmaf(score, sl2, -((e & 1) ? l[t].y : l[t].x)));
+      dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? d[t].y : d[t].x)) *
+                 score_mod.dscore(raw, score, w.seq, th.head, th.token - w.q_start, kv);
     }
   }
 }
 
-// Zero P^T and dS^T where the (key, query) pair is hidden: past the sequence's rows or keys, or
-// outside the window. Only boundary tiles run it. Each of the thread's two keys sees one
+// Zero P^T and dS^T where the (key, query) pair is hidden (mask.cuh): past the sequence's rows
+// or keys, outside the window, or by the mask hook. Only boundary tiles run it. Each of the thread's two keys sees one
 // interval of packed rows (visible_rows), so an element costs two compares against its
 // compile-time column offset, instead of a division by pack for each of the thread's query columns.
 template <int TILES>
@@ -148,7 +155,12 @@ __device__ __forceinline__ void mask_hidden(const BwdParams& p, const Work& w, i
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int d = 8 * t + (e & 1);
-      if (d < lo[e / 2] || d > hi[e / 2]) pt[t][e] = ds[t][e] = 0.f;
+      bool hidden = d < lo[e / 2] || d > hi[e / 2];
+      if constexpr (MaskMod::ACTIVE) {  // the mask hook (mask.cuh)
+        const TokenHead th = packed_row(base + d, p.pack, w.q_start, w.kv_head);
+        hidden = hidden || !MaskMod{}.visible(w.seq, th.head, th.token - w.q_start, w.n0 + key0 + g + 8 * (e / 2));
+      }
+      if (hidden) pt[t][e] = ds[t][e] = 0.f;
     }
 }
 

@@ -2,8 +2,7 @@
 // backward.cu.j2 after backward_wgmma.cuh, whose main kernel then computes dK / dV only.
 //
 // Why a kernel of its own: with 64 keys a CTA the main kernel adds every query tile's dQ into an
-// fp32 accumulator once per key tile (a full 8 x 4k x 16-head D256 backward: 32 GB of L2
-// reductions), and the L2's reduction rate (~1.5 TB/s on the H200) made that the kernel's whole
+// fp32 accumulator once per key tile, and the L2's reduction rate made that the kernel's whole
 // time (notes/backward-d256.md). Query-major, the sum over keys stays in registers: no
 // accumulator, no atomics, no postprocess, and a fixed order (bitwise deterministic as it is).
 // It recomputes S and dP: 3 GEMMs a (query, key) tile here beside the main kernel's 4.
@@ -35,7 +34,14 @@ constexpr int DQ_QT_CHUNKS = DQ_ROWS * ROW_CHUNKS;
 constexpr int DQ_KV_CHUNKS = DQ_KEYS * ROW_CHUNKS;
 constexpr int DQ_S_TILES = DQ_KEYS / 8;        // n8 tiles of S / dP a warp
 constexpr int DQ_D_TILES = HEAD_DIM / 8;       // n8 tiles of dQ a warp
-constexpr int DQ_SMEM_BYTES = (2 * DQ_QT_CHUNKS + (DQ_K_STAGES + DQ_V_STAGES) * DQ_KV_CHUNKS) * 16 + 1024;
+// varlen_bwd_dq's dynamic shared memory (above the 1024-byte alignment of wgmma's atoms).
+struct DqSharedStorage {
+  uint4 q[DQ_QT_CHUNKS];
+  uint4 dout[DQ_QT_CHUNKS];
+  uint4 k[DQ_K_STAGES * DQ_KV_CHUNKS];  // [DQ_K_STAGES][DQ_KV_CHUNKS]
+  uint4 v[DQ_V_STAGES * DQ_KV_CHUNKS];  // [DQ_V_STAGES][DQ_KV_CHUNKS]
+};
+constexpr int DQ_SMEM_BYTES = sizeof(DqSharedStorage) + 1024;
 constexpr int DQ_N_BAND = 2048 / DQ_ROWS;      // query tiles of one (sequence, KV head) side by side
 static_assert(HEAD_DIM == 256, "dq_kernel: head_dim 256 (the width measured)");
 static_assert(DQ_SMEM_BYTES <= 227 * 1024, "dq_kernel: shared memory");
@@ -145,7 +151,8 @@ __device__ __forceinline__ bool dq_work(const BwdParams& p, int num_m_blocks, Dq
 __device__ __forceinline__ bool dq_tile_masked(const BwdParams& p, const DqWork& w, int n) {
   const int n0 = n * DQ_KEYS, off = w.k_len - w.q_len;
   return n0 + DQ_KEYS > w.k_len || (p.window_left >= 0 && n0 < w.r_hi + off - p.window_left) ||
-         (p.window_right >= 0 && n0 + DQ_KEYS - 1 > w.r_lo + off + p.window_right);
+         (p.window_right >= 0 && n0 + DQ_KEYS - 1 > w.r_lo + off + p.window_right) ||
+         (MaskMod::ACTIVE && MaskMod{}.classify(w.seq, w.kv_head, w.r_lo, w.r_hi, n0, n0 + DQ_KEYS - 1) != TILE_FULL);
 }
 
 // Key tile n's K and V into AtomSwizzle rows (zeros past the keys), by one warp's cp.async.
@@ -174,9 +181,9 @@ __device__ __forceinline__ void dq_copy_q(const BwdParams& p, const DqWork& w, u
     const bool valid = pr < w.rows;
     int64_t q_off = 0, do_off = 0;
     if (valid) {
-      const int r = pr / p.pack;
-      const int64_t token = int64_t(w.q_start) + r;
-      const int head = w.kv_head * p.pack + (pr - r * p.pack);
+      const TokenHead th = packed_row(pr, p.pack, w.q_start, w.kv_head);
+      const int64_t token = th.token;
+      const int head = th.head;
       q_off = token * p.q_stride_token + head * p.q_stride_head + chunk * 8;
       do_off = token * p.dout_stride_token + head * p.dout_stride_head + chunk * 8;
     }
@@ -189,10 +196,11 @@ __global__ void __launch_bounds__(DQ_THREADS, 1) varlen_bwd_dq(const __grid_cons
   const BwdParams& p = args.p;
   extern __shared__ uint4 smem_base[];
   uint4* smem = smem_base + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_base)) & 1023)) & 1023) / 16;
-  uint4* q_smem = smem;
-  uint4* do_smem = q_smem + DQ_QT_CHUNKS;
-  uint4* k_smem = do_smem + DQ_QT_CHUNKS;          // [DQ_K_STAGES][DQ_KV_CHUNKS]
-  uint4* v_smem = k_smem + DQ_K_STAGES * DQ_KV_CHUNKS;  // [DQ_V_STAGES][DQ_KV_CHUNKS]
+  DqSharedStorage& shared = *reinterpret_cast<DqSharedStorage*>(smem);
+  uint4* q_smem = shared.q;
+  uint4* do_smem = shared.dout;
+  uint4* k_smem = shared.k;
+  uint4* v_smem = shared.v;
 
   DqWork w;
   if (!dq_work(p, args.num_m_blocks, w)) return;
@@ -278,13 +286,9 @@ __global__ void __launch_bounds__(DQ_THREADS, 1) varlen_bwd_dq(const __grid_cons
   const float delta[2] = {pr0 < w.rows ? p.delta[stat0] : 0.f, pr0 + 8 < w.rows ? p.delta[stat0 + 8] : 0.f};
   const float sl2 = p.scale_log2;
   const int off = w.k_len - w.q_len;
-  int lo[2], hi[2];  // visible keys of this thread's rows: [lo, hi)
+  KeyRange keys[2];  // visible keys of this thread's rows (mask.cuh)
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = (pr0 + 8 * h) / p.pack;
-    lo[h] = p.window_left >= 0 ? r + off - p.window_left : INT_MIN;
-    hi[h] = p.window_right >= 0 ? min(w.k_len, r + off + p.window_right + 1) : w.k_len;
-  }
+  for (int h = 0; h < 2; ++h) keys[h] = visible_keys(p, (pr0 + 8 * h) / p.pack, off, w.k_len);
 
   const uint64_t q_desc = wgmma_desc(q_smem + wg * 64 * 8, 16, 1024);
   const uint64_t do_desc = wgmma_desc(do_smem + wg * 64 * 8, 16, 1024);
@@ -304,13 +308,13 @@ __global__ void __launch_bounds__(DQ_THREADS, 1) varlen_bwd_dq(const __grid_cons
   for (int i = 0; i < tiles; ++i) {
     const int n = w.n_begin + i, ks = i % DQ_K_STAGES, vs = i % DQ_V_STAGES;
     const uint64_t kd = k_desc + ks * DQ_KV_CHUNKS, vd = v_desc + vs * DQ_KV_CHUNKS;
-    mbarrier_wait(&k_full[ks], (i / DQ_K_STAGES) & 1);
+    mbarrier_wait(&k_full[ks], use_parity<DQ_K_STAGES>(i));
     wgmma_fence();
     Wgmma<T, DQ_KEYS>::ss<0, 0>(s, q_desc, kd);
 #pragma unroll
     for (int kt = 1; kt < HEAD_DIM / 16; ++kt) Wgmma<T, DQ_KEYS>::ss<1, 0>(s, q_desc + dq_q_step(kt), kd + k_step(kt));
     wgmma_commit();
-    mbarrier_wait(&v_full[vs], (i / DQ_V_STAGES) & 1);
+    mbarrier_wait(&v_full[vs], use_parity<DQ_V_STAGES>(i));
     Wgmma<T, DQ_KEYS>::ss<0, 0>(dp, do_desc, vd);
 #pragma unroll
     for (int kt = 1; kt < HEAD_DIM / 16; ++kt) Wgmma<T, DQ_KEYS>::ss<1, 0>(dp, do_desc + dq_q_step(kt), vd + k_step(kt));
@@ -320,7 +324,7 @@ __global__ void __launch_bounds__(DQ_THREADS, 1) varlen_bwd_dq(const __grid_cons
     wgmma_pin(s);
     wgmma_pin(dq);
     if (i > 0 && lane == 0) mbarrier_arrive(&k_empty[(i - 1) % DQ_K_STAGES]);
-    if constexpr (!SOFT_CAP) {
+    if constexpr (!ScoreMod::ACTIVE) {
 #pragma unroll
       for (int t = 0; t < DQ_S_TILES; ++t)
 #pragma unroll
@@ -333,10 +337,15 @@ __global__ void __launch_bounds__(DQ_THREADS, 1) varlen_bwd_dq(const __grid_cons
     for (int t = 0; t < DQ_S_TILES; ++t)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        if constexpr (SOFT_CAP) {  // logits cap * tanh(scale * s / cap): dS takes the slope 1 - tanh^2
-          const float th = tanh_from_exp2(s4[t][e] * p.cap_scale);
-          s4[t][e] = fast_exp2(fmaf(th, sl2, -lse2[e / 2]));
-          dp4[t][e] = s4[t][e] * (dp4[t][e] - delta[e / 2]) * fmaf(-th, th, 1.f);
+        if constexpr (ScoreMod::ACTIVE) {  // the score hook (score.cuh): dS takes its slope
+          const int kv = n * DQ_KEYS + t * 8 + 2 * c + (e & 1);
+          const TokenHead th = packed_row(pr0 + 8 * (e / 2), p.pack, w.q_start, w.kv_head);
+          const ScoreMod score_mod(p);
+          const float raw = s4[t][e];
+          const float score = score_mod.score(raw, w.seq, th.head, th.token - w.q_start, kv);
+          s4[t][e] = fast_exp2(fmaf(score, sl2, -lse2[e / 2]));
+          dp4[t][e] = s4[t][e] * (dp4[t][e] - delta[e / 2]) *
+                      score_mod.dscore(raw, score, w.seq, th.head, th.token - w.q_start, kv);
         } else {
           dp4[t][e] = s4[t][e] * (dp4[t][e] - delta[e / 2]);
         }
@@ -347,7 +356,12 @@ __global__ void __launch_bounds__(DQ_THREADS, 1) varlen_bwd_dq(const __grid_cons
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = n * DQ_KEYS + t * 8 + 2 * c + (e & 1);
-          if (key < lo[e / 2] || key >= hi[e / 2]) dp4[t][e] = 0.f;
+          bool hidden = key < keys[e / 2].lo || key >= keys[e / 2].hi;
+          if constexpr (MaskMod::ACTIVE) {  // the mask hook (mask.cuh)
+            const TokenHead th = packed_row(pr0 + 8 * (e / 2), p.pack, w.q_start, w.kv_head);
+            hidden = hidden || !MaskMod{}.visible(w.seq, th.head, th.token - w.q_start, key);
+          }
+          if (hidden) dp4[t][e] = 0.f;
         }
     }
 #pragma unroll
@@ -375,9 +389,9 @@ __global__ void __launch_bounds__(DQ_THREADS, 1) varlen_bwd_dq(const __grid_cons
     const int row = wg * 64 + idx / CHUNKS, chunk = idx % CHUNKS;
     const int pr = w.m * DQ_ROWS + row;
     if (pr >= w.rows) continue;
-    const int r = pr / p.pack;
-    const int64_t token = int64_t(w.q_start) + r;
-    const int head = w.kv_head * p.pack + (pr - r * p.pack);
+    const TokenHead th = packed_row(pr, p.pack, w.q_start, w.kv_head);
+    const int64_t token = th.token;
+    const int head = th.head;
     *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + token * p.dq_stride_token + head * p.dq_stride_head + chunk * 8) =
         q_smem[DqRows::at(row, chunk)];
   }

@@ -39,7 +39,16 @@ static_assert(BLOCK_N <= 2 * BLOCK_M, "the dK / dV epilogue stages in the Q and 
 constexpr int KV_CHUNKS = BLOCK_N * ROW_CHUNKS;
 constexpr int QT_CHUNKS = BLOCK_M * ROW_CHUNKS;   // one stage of Q (or dO)
 constexpr int DS_TILE = BLOCK_N * DS_CHUNKS;
-constexpr int SMEM_BYTES = (2 * KV_CHUNKS + 4 * QT_CHUNKS + (WARPS_Q == 2 ? 2 : 1) * DS_TILE) * 16 + 2 * 2 * BLOCK_M * 4;
+// The main kernel's dynamic shared memory.
+struct SharedStorage {
+  uint4 k[KV_CHUNKS];
+  uint4 v[KV_CHUNKS];
+  uint4 q[2 * QT_CHUNKS];     // [2 stages][BLOCK_M][ROW_CHUNKS]
+  uint4 dout[2 * QT_CHUNKS];
+  uint4 ds[(WARPS_Q == 2 ? 2 : 1) * DS_TILE];  // dS^T [BLOCK_N][DS_CHUNKS], then (WARPS_Q == 2) P^T
+  float stats[2 * 2 * BLOCK_M];                // [2 stages][lse2, delta][BLOCK_M]
+};
+constexpr int SMEM_BYTES = sizeof(SharedStorage);
 static_assert(SMEM_BYTES <= 227 * 1024, "tile shape needs more shared memory than an SM has (227 KB)");
 
 using Rows = RowSwizzle<ROW_CHUNKS>;
@@ -47,13 +56,14 @@ using DsRows = RowSwizzle<BLOCK_M / 8>;
 
 __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const BwdParams p) {
   extern __shared__ uint4 smem[];
-  uint4* k_smem = smem;
-  uint4* v_smem = k_smem + KV_CHUNKS;
-  uint4* q_smem = v_smem + KV_CHUNKS;     // [2 stages][BLOCK_M][ROW_CHUNKS]
-  uint4* do_smem = q_smem + 2 * QT_CHUNKS;
-  uint4* ds_smem = do_smem + 2 * QT_CHUNKS;  // dS^T [BLOCK_N][DS_CHUNKS]
-  uint4* pt_smem = ds_smem + DS_TILE;        // P^T, WARPS_Q == 2 only
-  float* stats = reinterpret_cast<float*>(ds_smem + (WARPS_Q == 2 ? 2 : 1) * DS_TILE);  // [2][lse2, delta][BLOCK_M]
+  SharedStorage& shared = *reinterpret_cast<SharedStorage*>(smem);
+  uint4* k_smem = shared.k;
+  uint4* v_smem = shared.v;
+  uint4* q_smem = shared.q;
+  uint4* do_smem = shared.dout;
+  uint4* ds_smem = shared.ds;
+  uint4* pt_smem = shared.ds + DS_TILE;  // P^T, WARPS_Q == 2 only
+  float* stats = shared.stats;
 
   Work w;
   if (!decode_work(p, w)) return;
@@ -139,8 +149,8 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const BwdParams p) {
       float2 l[Q_TILES], d[Q_TILES];
       load_row_stats(l, lse2, q0, c);
       load_row_stats(d, delta, q0, c);
-      if constexpr (SOFT_CAP) {
-        capped_scores_to_dscores(s, dp, l, d, sl2, p.cap_scale);
+      if constexpr (ScoreMod::ACTIVE) {
+        scored_probs_to_dscores(p, w, m, key0, q0, g, c, s, dp, l, d, sl2);
       } else {
         scores_to_probs(s, l, sl2);
         probs_to_dscores(s, dp, d);

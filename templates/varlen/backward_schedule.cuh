@@ -14,15 +14,14 @@
 // its own keys, so a query tile is reached by the highest key tile first and by tile 0 last:
 // the order there is descending (highest key tile adds first) and the key tiles of a
 // (sequence, KV head) are laid out highest first too (j ascending). Ascending, it would run the
-// tiles of a sequence as a wavefront, one tile behind the other (measured 1.5-1.65x the
-// default's time, causal 8 x 4k on the H200). Without a right edge every tile starts at query
+// tiles of a sequence as a wavefront, one tile behind the other (measured far slower:
+// notes/backward-h200.md). Without a right edge every tile starts at query
 // tile 0, and the order is ascending.
 //
 // Plain arithmetic on BwdParams (no device intrinsics), so tests compile it on the host too
 // (tests/test_varlen_backward_schedule.py). The deterministic order's waits: backward_sync.cuh.
 //
-// Masks: key c is visible from query row r iff r + off - left <= c <= r + off + right, c < Lk,
-// off = Lk - Lq (bottom-right aligned windows, as in the forward).
+// Masks: the rule shared with the forward (mask.cuh).
 
 struct Work {
   int seq, kv_head;
@@ -54,13 +53,11 @@ __device__ __forceinline__ int first_launched_tile(int n_tiles, const BwdParams&
 __device__ __forceinline__ bool decode_work(const BwdParams& p, Work& w, unsigned index) {
   const int per_j = p.num_seqs * p.num_heads_kv;
   const int J = p.num_n_blocks;
-  const int band = index / (per_j * N_BAND);  // bands before the last are full
-  int rest = index - band * per_j * N_BAND;
-  const int band_blocks = min(N_BAND, J - band * N_BAND);
-  const int position = band * N_BAND + rest % band_blocks;  // in the order of j
+  const HeaviestFirst order = heaviest_first<N_BAND>(index, per_j, J);
+  const int position = order.position;  // in the order of j
   w.descending = p.semaphores != nullptr && p.window_right >= 0;
   const int j = w.descending ? position : J - 1 - position;
-  rest /= band_blocks;
+  int rest = order.rest;
   w.kv_head = rest % p.num_heads_kv;
   w.seq = rest / p.num_heads_kv;
   // Clamp to the tensors, so malformed metadata can never index outside them.
@@ -135,10 +132,13 @@ __device__ __forceinline__ QueryTile query_tile(const BwdParams& p, const Work& 
   QueryTile t;
   // Its rows r_lo = pr0 / pack and r_hi = pr_last / pack against the window, without dividing
   // (for a >= 0 and integer x: a / pack < x iff a < x * pack, a / pack > x iff a >= (x + 1) *
-  // pack): a division by the run-time pack each tile was ~4% of a causal backward (ncu).
+  // pack): a division by the run-time pack each tile showed in ncu's profile of a causal backward.
   t.masked = w.n0 + BLOCK_N > w.k_len ||
              (p.window_left >= 0 && pr_last >= (int64_t(w.n0) - off + p.window_left + 1) * p.pack) ||
              (p.window_right >= 0 && pr0 < (int64_t(w.n0) + BLOCK_N - 1 - off - p.window_right) * p.pack);
+  if constexpr (MaskMod::ACTIVE)  // the mask hook (mask.cuh) cuts the tile
+    t.masked = t.masked || MaskMod{}.classify(w.seq, w.kv_head, pr0 / p.pack, pr_last / p.pack, w.n0,
+                                              w.n0 + BLOCK_N - 1) != TILE_FULL;
   if (w.descending) {
     const int k_hi = min(w.k_len, pr_last / p.pack + off + p.window_right + 1);  // window_right >= 0 here
     t.turn = min(w.n_tiles - 1, (k_hi - 1) / BLOCK_N) - w.n_block;
@@ -147,23 +147,6 @@ __device__ __forceinline__ QueryTile query_tile(const BwdParams& p, const Work& 
     t.turn = w.n_block - max(k_lo / BLOCK_N, w.t_first);
   }
   return t;
-}
-
-// The packed query rows of work w that see key `key` (a key of its sequence, from 0): key in
-// [r + off - left, r + off + right] with r = row / pack, so row in [(key - off - right) * pack,
-// (key - off + left + 1) * pack - 1], within [0, rows) and none past the keys (first > last:
-// none; first in [0, rows], last in [-1, rows - 1]).
-struct RowSpan {
-  int64_t first, last;
-};
-
-__device__ __forceinline__ RowSpan visible_rows(const BwdParams& p, const Work& w, int64_t key) {
-  const int64_t off = int64_t(w.k_len) - w.q_len;
-  RowSpan v;
-  v.first = p.window_right >= 0 ? min(int64_t(w.rows), max(int64_t(0), (key - off - p.window_right) * p.pack)) : 0;
-  const int64_t last = p.window_left >= 0 ? (key - off + p.window_left + 1) * p.pack - 1 : int64_t(w.rows) - 1;
-  v.last = key < w.k_len ? max(int64_t(-1), min(last, int64_t(w.rows) - 1)) : -1;
-  return v;
 }
 
 // Deterministic dQ: CTAs add a query tile's dQ in ascending key-tile order. Each (KV head,

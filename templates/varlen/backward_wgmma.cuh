@@ -30,193 +30,9 @@
 // Without PRODUCER all 256 threads copy (cp.async), add (vector atomics) and meet at two CTA
 // barriers a tile.
 
-constexpr int WARPGROUPS = 2;                  // compute warpgroups
-constexpr int CONSUMERS = WARPGROUPS * 128;
-constexpr int THREADS = CONSUMERS + (PRODUCER ? 128 : 0);
-constexpr int LOADER_WARP = CONSUMERS / 32, WRITER_WARP = LOADER_WARP + 1;  // PRODUCER; warps 10-11 idle
-constexpr int STORER_WARP = LOADER_WARP + 2;  // PERSISTENT: stores each item's dK / dV (warp 11 idle)
-{# consumer_regs (VarlenBackwardSpec.default_consumer_regs): 240 lets ptxas issue D128's wgmmas back to back. #}
-{% if consumer_regs == 240 %}
-constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;  // ptxas, D128: wgmmas not serialized; the producer spills
-// setmaxnreg moves registers within what the launch gave the CTA (168 a thread at 384 threads):
-// asking for more than that pool waits forever (32 / 240 hung on the H200).
-static_assert(128 * PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= 168 * THREADS, "register pool of the launch");
-{% else %}
-constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;  // ptxas: 4 bytes spilled at D128 (36 at 48 / 232, 288 at 72 / 216)
-{% endif %}
-static_assert(!PRODUCER || 128 * PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= 65536, "register budget");
-// DKV_SPLIT (head_dim 256, WARPS_Q = 2; FlashAttention-3's hdim256 split): 64 keys a CTA, both
-// warpgroups on all of them; each holds dK / dV of its half of the head_dim columns (64 + 64
-// registers instead of 128 + 128) and computes S^T / dP^T for its half of the queries, whose P^T
-// and dS^T it writes to shared memory for the other's dV / dK.
-constexpr bool DKV_SPLIT = WARPS_Q == 2;
-constexpr int WG_KEYS = 64;                    // keys per warpgroup (the MMA's M)
-constexpr int SN = DKV_SPLIT ? BLOCK_M / WARPGROUPS : BLOCK_M;  // queries of S^T per warpgroup
-constexpr int Q_TILES = SN / 8;                // n8 tiles of S^T per warp
-constexpr int DKV_N = DKV_SPLIT ? HEAD_DIM / WARPGROUPS : HEAD_DIM;  // dK / dV columns per warpgroup
-constexpr int D_TILES = DKV_N / 8;             // n8 tiles of dK / dV
-constexpr int DQ_N = HEAD_DIM / WARPGROUPS;    // dQ columns per warpgroup
-constexpr int DQ_SLICES = DKV_SPLIT ? 2 : 1;   // dQ MMAs (and atomics) a tile, DQ_SN columns each
-constexpr int DQ_SN = DQ_N / DQ_SLICES;
-constexpr int DS_CHUNKS = BLOCK_M / 8;         // a row of dS^T: one swizzle atom wide
-constexpr int GROUP_BYTES = ROW_CHUNKS * 128;  // 8 rows of a K / V tile
-constexpr int ROWS16 = 2 * GROUP_BYTES / 16;   // 16 rows of a K / V tile, in uint4
-constexpr int QBLOCK = BLOCK_M * 8;            // a 64-column block of a Q / dO tile, in uint4
-constexpr int KV_CHUNKS = BLOCK_N * ROW_CHUNKS;
-constexpr int QT_CHUNKS = BLOCK_M * ROW_CHUNKS;
-constexpr int DS_TILE = BLOCK_N * DS_CHUNKS;
-constexpr int STAGES = 2;                      // query tiles in flight (Q, dO, lse2, delta)
-// DKV_SPLIT: one stage, so its 16 KB hold DQ_SCRATCH (each warpgroup then waits, before writing
-// a tile's P^T / dS^T, for the other to finish reading the last tile's: barriers 4 and 5).
-{% if dq_kernel %}
-// DQ_KERNEL (dQ by varlen_bwd_dq): no scratch, so two stages again; both warpgroups' dV / dK of
-// tile i - 2 are done before either passes barrier 1 of tile i - 1 (no barriers 4 and 5).
-constexpr int DS_STAGES = 2;
-{% else %}
-constexpr int DS_STAGES = PRODUCER && !DKV_SPLIT ? 2 : 1;
-{% endif %}
-constexpr int DS_TILES = DKV_SPLIT ? 2 : 1;    // a stage's dS^T, and with DKV_SPLIT P^T after it
-// dQ hand-off buffers of the bulk add; 0: the compute warpgroups add dQ from registers (vector
-// atomics; DKV_SPLIT: 64 KB a buffer does not fit beside two Q / dO stages, nor does
-// FlashAttention-3's at hdim256).
-constexpr int DQ_STAGES = PRODUCER && !DKV_SPLIT ? 2 : 0;
-constexpr int DQ_TILE = BLOCK_M * HEAD_DIM;    // floats of one dQ hand-off buffer
-// DKV_SPLIT: each warp's 8 rows x DQ_SN columns of dQ, where its fragments are turned into rows
-// so that each vector atomic instruction adds 4 whole 128-byte lines instead of 16 rows' 32
-// bytes. The L2's fp32 reductions bound this kernel (64 KB of dQ a step): in isolation on the
-// H200 (132 CTAs, 64 x 256 tiles into 512 MB) 4 lines an instruction add 1.33 TB/s against
-// 0.98 for the fragments' 16 rows (bulk reduce-add from shared memory: 1.46).
-{% if dq_kernel %}
-constexpr int DQ_SCRATCH = 0;
-static_assert(DKV_SPLIT && PRODUCER, "dq_kernel: the head_dim 256 split with the producer");
-{% else %}
-constexpr int DQ_SCRATCH = DKV_SPLIT ? CONSUMERS / 32 * 8 * DQ_SN : 0;  // floats
-{% endif %}
-// wgmma's atoms must be 1024-aligned: room to align the dynamic shared memory base.
-constexpr int SMEM_BYTES = (2 * KV_CHUNKS + 2 * STAGES * QT_CHUNKS + DS_STAGES * DS_TILES * DS_TILE) * 16 +
-                           STAGES * 2 * BLOCK_M * 4 + DQ_STAGES * DQ_TILE * 4 + DQ_SCRATCH * 4 + 1024;
-static_assert(BLOCK_N == (DKV_SPLIT ? 64 : 128) && BLOCK_M == 64,
-              "wgmma rung: 2 warpgroups x 64 keys (DKV_SPLIT: both on 64), 64 queries a step");
-static_assert(HEAD_DIM % 64 == 0 && (DKV_SPLIT ? HEAD_DIM == 256 : HEAD_DIM <= 128),
-              "wgmma rung: head_dim 64 or 128, or 256 with DKV_SPLIT (dK and dV in registers)");
-static_assert(ROW_CHUNKS == CHUNKS && DS_CHUNKS == 8, "whole swizzle atoms");
-static_assert(!DKV_SPLIT || (DQ_STAGES == 0 && DQ_SN == 64), "DKV_SPLIT: dQ by atomics, in 64-column slices");
-static_assert(SMEM_BYTES <= 227 * 1024, "tile shape needs more shared memory than an SM has (227 KB)");
-static_assert(2 * STAGES * QT_CHUNKS >= 2 * BLOCK_N * ROW_CHUNKS, "the dK / dV epilogue stages in the Q and dO buffers");
-// PERSISTENT (VarlenBackwardSpec persistent; cuDNN's bprop launches one CTA per SM too): a CTA
-// walks many key tiles (work items). Between two items the compute warps only stage dK / dV in
-// shared memory and go on: the storer warp copies them out (TMA stores of 8-row boxes) under the
-// next item's first tile, and the loader has copied that item's K / V and first query tiles
-// meanwhile, so an item's start (~3 µs of K / V and first-tile latency) and most of its
-// epilogue (~2 µs at D128) leave the critical path. The staging is the dQ hand-off buffers
-// (free once the last bulk add read them; the next item's first hand-off waits for the
-// storer), not the Q / dO stages the loader is filling; the stage and dQ-buffer rings run on
-// across items (`ring`: the query tiles of earlier items). K / V come by the loader's TMA (a
-// partial tile, zeros past the keys, by its cp.async), on kv_full / kv_empty, issued after the
-// item's first query tile so that both land while the compute warps stage the last item's dK /
-// dV; the staging on staged / stored.
-static_assert(!PERSISTENT || (PRODUCER && !DKV_SPLIT && DQ_STAGES > 0), "persistent: the producer and the dQ bulk add");
-static_assert(!PERSISTENT || 2 * BLOCK_N * ROW_CHUNKS * 16 <= DQ_STAGES * DQ_TILE * 4,
-              "persistent: the dK / dV epilogue stages in the dQ hand-off buffers");
-static_assert(!PERSISTENT || (HEAD_DIM % 64 == 0 && BLOCK_N % 8 == 0), "persistent: dK / dV in 8-row x 128-byte boxes");
-static_assert(!PERSISTENT || (2 * KV_CHUNKS + 2 * STAGES * QT_CHUNKS + DS_STAGES * DS_TILES * DS_TILE) % 64 == 0,
-              "persistent: the staging (the dQ buffers) 1024-byte aligned for the TMA stores' swizzle");
+{% include "varlen/backward_wgmma_shape.cuh" %}
 
-using Tiles = AtomSwizzle<ROW_CHUNKS>;
-using DsRows = RowSwizzle<DS_CHUNKS>;  // = AtomSwizzle<8>
-// Q / dO: 64-column blocks of all BLOCK_M rows, each block rows of one 128-byte swizzle row.
-struct QTiles {
-  __device__ __forceinline__ static int at(int row, int chunk) {
-    return (chunk / 8) * QBLOCK + row * 8 + ((chunk % 8) ^ (row % 8));
-  }
-};
-
-// Offset (uint4) of k16 step kt along a K-major tile's rows: 32 bytes within an atom's
-// 128-byte row, then the next atom (K / V), or the next column block (Q / dO).
-__device__ __forceinline__ int k_step(int kt) { return (kt / 4) * 64 + (kt % 4) * 2; }
-__device__ __forceinline__ int q_step(int kt) { return (kt / 4) * QBLOCK + (kt % 4) * 2; }
-
-// The main kernel's argument: with PRODUCER the tensor maps of Q and dO, (D, pack, H_kv, T_q)
-// with the strides of the tensors, boxes of 64 x pack x 1 x BLOCK_M / pack (tma: whether they
-// were encoded; else the loader warp copies with cp.async).
-struct BwdMain {
-  BwdParams p;
-  CUtensorMap q_map, do_map;
-  CUtensorMap dk_map, dv_map;  // PERSISTENT: (D, H_kv, T_k), boxes of 64 x 1 x 8 rows
-  int tma;
-  int tma_store;  // dk_map / dv_map encoded (else the storer warp copies with 16-byte stores)
-  int items;  // work items: key tiles x KV heads x sequences (the grid's size unless PERSISTENT)
-{% if persistent %}
-  // PERSISTENT: K / V as 5-D maps (64 columns x 8 tokens x D / 64 atoms x BLOCK_N / 8 groups x
-  // KV head: a box lands in Tiles' order), for the loader's one-thread copies of whole key tiles.
-  CUtensorMap k_map, v_map;
-  int tma_kv;  // both encoded (else, and for a sequence's partial last tile, the loader's cp.async)
-{% endif %}
-};
-
-// The host side of BwdMain: encodes the maps where the shape allows.
-inline BwdMain main_kernel_args(const BwdParams& p) {
-  BwdMain a;
-  a.p = p;
-  a.tma = 0;
-  a.items = p.num_n_blocks * p.num_seqs * p.num_heads_kv;  // <= INT_MAX: launch_varlen_bwd checks
-  if (!PRODUCER) return a;
-  const EncodeTiled encode = encode_tiled();
-  const int64_t e = sizeof(T);
-  auto encode_map = [&](CUtensorMap* map, const void* base, int64_t stride_token, int64_t stride_head) {
-    const bool fits = BLOCK_M % p.pack == 0 && reinterpret_cast<uintptr_t>(base) % 16 == 0 &&
-                      (stride_token * e) % 16 == 0 && (stride_head * e) % 16 == 0 && stride_head > 0;
-    if (!encode || !fits) return false;
-    const cuuint64_t dims[4] = {cuuint64_t(HEAD_DIM), cuuint64_t(p.pack), cuuint64_t(p.num_heads_kv),
-                                cuuint64_t(p.total_q)};
-    const cuuint64_t strides[3] = {cuuint64_t(stride_head * e), cuuint64_t(stride_head * p.pack * e),
-                                   cuuint64_t(stride_token * e)};
-    const cuuint32_t box[4] = {64, cuuint32_t(p.pack), 1, cuuint32_t(BLOCK_M / p.pack)};
-    const cuuint32_t unit[4] = {1, 1, 1, 1};
-    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(base), dims, strides, box, unit,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-  };
-  a.tma = encode_map(&a.q_map, p.q, p.q_stride_token, p.q_stride_head) &&
-          encode_map(&a.do_map, p.dout, p.dout_stride_token, p.dout_stride_head);
-  a.tma_store = 0;
-  if (!PERSISTENT) return a;
-  auto encode_out = [&](CUtensorMap* map, void* base, int64_t stride_token, int64_t stride_head) {
-    const bool fits = reinterpret_cast<uintptr_t>(base) % 16 == 0 && (stride_token * e) % 16 == 0 &&
-                      (stride_head * e) % 16 == 0 && stride_head > 0 && p.total_k > 0;
-    if (!encode || !fits) return false;
-    const cuuint64_t dims[3] = {cuuint64_t(HEAD_DIM), cuuint64_t(p.num_heads_kv), cuuint64_t(p.total_k)};
-    const cuuint64_t strides[2] = {cuuint64_t(stride_head * e), cuuint64_t(stride_token * e)};
-    const cuuint32_t box[3] = {64, 1, 8};
-    const cuuint32_t unit[3] = {1, 1, 1};
-    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, base, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-  };
-  a.tma_store = encode_out(&a.dk_map, p.dk, p.dk_stride_token, p.dk_stride_head) &&
-                encode_out(&a.dv_map, p.dv, p.dv_stride_token, p.dv_stride_head);
-{% if persistent %}
-  // Only whole key tiles go by these maps: a box's 8-token groups step past dims[1], which
-  // bounds the first token only, so a tile must lie inside its sequence's keys.
-  auto encode_kv = [&](CUtensorMap* map, const void* base, int64_t stride_token, int64_t stride_head) {
-    if (p.num_heads_kv == 1) stride_head = HEAD_DIM;  // unused, but must be a valid stride
-    const bool fits = reinterpret_cast<uintptr_t>(base) % 16 == 0 && stride_token > 0 && stride_head > 0 &&
-                      (stride_token * e) % 16 == 0 && (stride_head * e) % 16 == 0 && p.total_k > 0;
-    if (!encode || !fits) return false;
-    const cuuint64_t dims[5] = {64, cuuint64_t(p.total_k), HEAD_DIM / 64, BLOCK_N / 8, cuuint64_t(p.num_heads_kv)};
-    const cuuint64_t strides[4] = {cuuint64_t(stride_token * e), 128, cuuint64_t(8 * stride_token * e),
-                                   cuuint64_t(stride_head * e)};
-    const cuuint32_t box[5] = {64, 8, HEAD_DIM / 64, BLOCK_N / 8, 1};
-    const cuuint32_t unit5[5] = {1, 1, 1, 1, 1};
-    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 5, const_cast<void*>(base), dims, strides, box, unit5,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-  };
-  a.tma_kv = encode_kv(&a.k_map, p.k, p.k_stride_token, p.k_stride_head) &&
-             encode_kv(&a.v_map, p.v, p.v_stride_token, p.v_stride_head);
-{% endif %}
-  return a;
-}
+{% include "varlen/backward_wgmma_args.cuh" %}
 
 // A barrier of the compute warps (all threads without PRODUCER).
 __device__ __forceinline__ void consumer_sync() {
@@ -228,14 +44,15 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   const BwdParams& p = args.p;
   extern __shared__ uint4 smem_base[];
   uint4* smem = smem_base + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_base)) & 1023)) & 1023) / 16;
-  uint4* k_smem = smem;
-  uint4* v_smem = k_smem + KV_CHUNKS;
-  uint4* q_smem = v_smem + KV_CHUNKS;             // [STAGES][QT_CHUNKS]
-  uint4* do_smem = q_smem + STAGES * QT_CHUNKS;
-  uint4* ds_smem = do_smem + STAGES * QT_CHUNKS;  // dS^T (, P^T) [DS_STAGES][DS_TILES][BLOCK_N keys][BLOCK_M queries]
-  float* dq_smem = reinterpret_cast<float*>(ds_smem + DS_STAGES * DS_TILES * DS_TILE);  // [DQ_STAGES][DQ_TILE]
-  float* stats = dq_smem + DQ_STAGES * DQ_TILE;   // [STAGES][lse2, delta][BLOCK_M]
-  float* dq_scratch = stats + STAGES * 2 * BLOCK_M;  // DKV_SPLIT: [warp][8 rows][DQ_SN]
+  SharedStorage& shared = *reinterpret_cast<SharedStorage*>(smem);
+  uint4* k_smem = shared.k;
+  uint4* v_smem = shared.v;
+  uint4* q_smem = shared.q;
+  uint4* do_smem = shared.dout;
+  uint4* ds_smem = shared.ds;
+  float* dq_smem = shared.dq_and_stats;                     // [DQ_STAGES][DQ_TILE]
+  float* stats = shared.dq_and_stats + DQ_STAGES * DQ_TILE;  // [STAGES][lse2, delta][BLOCK_M]
+  float* dq_scratch = shared.dq_scratch;
 
 {% if not persistent %}
   Work w;  // the CTA's one work item (PERSISTENT: the loader decodes each into item_work)
@@ -320,13 +137,13 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   // of a counter past the grid whenever it starts another, so the CTA that finishes first takes
   // the next item, as the hardware launches blocks without PERSISTENT. CTAs on neighbouring key
   // tiles of one (sequence, KV head) stay close in time and can share their Q / dO tiles in L2
-  // (a static snake over the grid measured within 1-3% of this, both behind a CTA per key tile
-  // at D128: notes/backward-h200.md). Every other warp waits for the item the loader published
+  // (a static snake over the grid measured about the same: notes/backward-h200.md). Every
+  // other warp waits for the item the loader published
   // and, at the item's end, frees its slot.
 {% if persistent %}
   auto published_item = [&](unsigned n) {
     const unsigned slot = n % ITEM_SLOTS;
-    mbarrier_wait(&item_full[slot], (n / ITEM_SLOTS) & 1);
+    mbarrier_wait(&item_full[slot], use_parity<ITEM_SLOTS>(n));
     return item_slot[slot] >= 0;
   };
   auto release_item = [&](unsigned n) {
@@ -354,178 +171,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   }
   cp_async_commit();
   if constexpr (PRODUCER) {
-    if (warp >= LOADER_WARP) {
-      named_barrier(PRODUCER_BAR, 128);  // the barriers initialized, for the loader and the writer
-      named_barrier_arrive(INIT_BAR, THREADS);
-      set_max_registers<PRODUCER_REGS, false>();
-      if (warp == LOADER_WARP) {
-        // Query tile i of an item (the ring's q-th) into stage q % STAGES once the compute warps
-        // freed it. PERSISTENT: first the item's K / V, once the compute warps are done with the
-        // last item's, published after its first query tile went out.
-{% if persistent %}
-        int next = static_cast<int>(blockIdx.x);
-        auto fetch_item = [&] {  // the next item past the grid, or -1
-          if (static_cast<int>(gridDim.x) >= args.items) return -1;
-          int taken = 0;
-          if (lane == 0) {
-            wait_for_prerequisite_grid();  // the preprocess zeroed the counter
-            taken = atomicAdd(p.work_counter, 1);
-          }
-          const int item = static_cast<int>(gridDim.x) + __shfl_sync(0xffffffffu, taken, 0);
-          return item < args.items ? item : -1;
-        };
-        auto take = [&](unsigned n) {  // the n-th item with work, published
-          if (n > 0) next = fetch_item();
-          Work probe;
-          while (next >= 0 && !decode_work(p, probe, static_cast<unsigned>(next))) next = fetch_item();
-          const unsigned slot = n % ITEM_SLOTS;
-          if (n >= ITEM_SLOTS) mbarrier_wait(&item_empty[slot], (n / ITEM_SLOTS + 1) & 1);
-          if (lane == 0) {
-            item_work[slot] = probe;
-            item_slot[slot] = next;
-            mbarrier_arrive(&item_full[slot]);
-          }
-          __syncwarp();  // the slot's Work, for the other lanes
-          return next >= 0;
-        };
-{% endif %}
-        ITEM_BEGIN(take)
-{% if persistent %}
-        // The item's K / V once the compute warps are done with the last item's (kv_empty), after
-        // its first query tile (whose stage is free a tile earlier): whole tiles by two TMA boxes
-        // on kv_full, so they land while the compute warps stage the last item's dK / dV; a
-        // partial last tile (zeros past the keys) by the warp's cp.async.
-        auto copy_kv = [&] {
-          if (done > 0) mbarrier_wait(&kv_empty, (done - 1) & 1);
-          if (args.tma_kv && w.n0 + BLOCK_N <= w.k_len) {
-            if (lane == 0) {
-              mbarrier_arrive_expect_tx(&kv_full, 2 * KV_CHUNKS * 16);
-              tma_load_5d(k_smem, &args.k_map, &kv_full, 0, w.k_start + w.n0, 0, 0, w.kv_head);
-              tma_load_5d(v_smem, &args.v_map, &kv_full, 0, w.k_start + w.n0, 0, 0, w.kv_head);
-            }
-          } else {
-            load_kv<Tiles, 32>(p, w, k_smem, v_smem, lane);
-            cp_async_commit();
-            cp_async_wait<0>();
-            fence_proxy_async_shared();  // for wgmma's (async proxy) reads
-            __syncwarp();
-            if (lane == 0) mbarrier_arrive(&kv_full);
-          }
-        };
-        if (tiles == 0) copy_kv();
-{% endif %}
-        for (int i = 0; i < tiles; ++i) {
-          const auto q = ring + i;  // unsigned when PERSISTENT: the rings' % and / are bit ops
-          const int s = q % STAGES, m = w.m_begin + i;
-          if (q >= STAGES) mbarrier_wait(&empty[s], (q / STAGES + 1) & 1);
-          float* st = stats + s * 2 * BLOCK_M;
-          // A sequence's last tile, when partial, by cp.async: its rows past the sequence must
-          // be zeros (TMA would read the next sequence's, or the unused tail's, rows; a NaN
-          // there times P = 0 would reach dK / dV).
-          if (args.tma && (m + 1) * BLOCK_M <= w.rows) {
-            if (lane == 0) {
-              mbarrier_expect_tx(&full[s], 2 * QT_CHUNKS * 16);
-              const int token = w.q_start + m * (BLOCK_M / p.pack);
-#pragma unroll
-              for (int cb = 0; cb < HEAD_DIM / 64; ++cb) {
-                tma_load_4d(q_smem + s * QT_CHUNKS + cb * QBLOCK, &args.q_map, &full[s], cb * 64, 0, w.kv_head, token);
-                tma_load_4d(do_smem + s * QT_CHUNKS + cb * QBLOCK, &args.do_map, &full[s], cb * 64, 0, w.kv_head, token);
-              }
-            }
-            // lse2 / delta of the tile's rows (all in the sequence), which the preprocess wrote
-            // (Q / dO are inputs: their first TMA flies before that wait); every load issued
-            // before any store, so they share one memory latency. Each lane arrives after its
-            // own stores.
-            if (q == 0) wait_for_prerequisite_grid();
-            constexpr int PER_LANE = BLOCK_M / 32;
-            static_assert(BLOCK_M % 32 == 0, "lse2 / delta: whole rows a lane");
-            const int64_t rows_at = accum_row(p, w, m * BLOCK_M + lane);
-            const float* lse2_rows = p.lse2 + rows_at;
-            const float* delta_rows = p.delta + rows_at;
-            float l2[PER_LANE], dl[PER_LANE];
-#pragma unroll
-            for (int k = 0; k < PER_LANE; ++k) {
-              l2[k] = lse2_rows[32 * k];
-              dl[k] = delta_rows[32 * k];
-            }
-#pragma unroll
-            for (int k = 0; k < PER_LANE; ++k) {
-              st[lane + 32 * k] = l2[k];
-              st[BLOCK_M + lane + 32 * k] = dl[k];
-            }
-          } else {
-            if (q == 0) wait_for_prerequisite_grid();
-            load_query_tile<QTiles, 32>(p, w, m, q_smem + s * QT_CHUNKS, do_smem + s * QT_CHUNKS, st, lane);
-            cp_async_commit();
-            cp_async_wait<0>();
-            fence_proxy_async_shared();  // for wgmma's (async proxy) reads
-          }
-          mbarrier_arrive(&full[s]);
-{% if persistent %}
-          if (i == 0) copy_kv();
-{% endif %}
-        }
-        ITEM_END(keep_item)
-      } else if (DQ_STAGES > 0 && warp == WRITER_WARP && lane == 0) {
-        // Tile i's dQ from buffer i % 2 onto the accumulator rows of its sequence: one bulk
-        // reduce-add (the buffer is those rows, swizzled as they are), in key-tile order when
-        // deterministic.
-        wait_for_prerequisite_grid();  // the preprocess zeroed the accumulator
-        ITEM_BEGIN(published_item)
-        for (int i = 0; i < tiles; ++i) {
-          const auto q = ring + i;
-          const int b = q % DQ_STAGES, m = w.m_begin + i;
-          mbarrier_wait(&dq_full[b], (q / DQ_STAGES) & 1);
-          int* sem = p.semaphores ? dq_semaphore(p, w, m) : nullptr;
-          if (sem) {
-            const int turn = query_tile(p, w, m).turn;
-            for (int spin = 0; load_acquire(sem) < turn && spin < (1 << 22); ++spin) __nanosleep(200);
-          }
-          const int rows = min(BLOCK_M, w.rows - m * BLOCK_M);
-          bulk_reduce_add_f32(p.dq_accum + accum_row(p, w, m * BLOCK_M) * HEAD_DIM, dq_smem + b * DQ_TILE,
-                              rows * HEAD_DIM * 4);
-          bulk_commit();
-          if (sem) {
-            bulk_wait<0, false>();  // the adds performed, before the next key tile's turn
-            fence_proxy_async_global();
-            __threadfence();
-            atomicAdd(sem, 1);
-          } else {
-            bulk_wait<0, true>();
-          }
-          mbarrier_arrive(&dq_empty[b]);
-        }
-        ITEM_END(release_item)
-        bulk_wait<0, false>();
-      } else if (PERSISTENT && warp == STORER_WARP) {
-        // Each item's dK / dV once every compute warp staged them: the 8-row groups inside the
-        // sequence by TMA stores (lane 0), the rest (a partial last group) by 16-byte stores.
-        const uint4* staging = reinterpret_cast<const uint4*>(dq_smem);
-        ITEM_BEGIN(published_item)
-        mbarrier_wait(&staged, done & 1);
-        const int groups = args.tma_store ? max(0, min(BLOCK_N, w.k_len - w.n0)) / 8 : 0;
-        if (lane == 0) {
-          for (int gi = 0; gi < groups; ++gi) {
-            const int token = w.k_start + w.n0 + gi * 8;
-#pragma unroll
-            for (int h = 0; h < HEAD_DIM / 64; ++h) {
-              const uint4* box = staging + Tiles::at(gi * 8, h * 8);  // a 1024-byte swizzle atom
-              tma_store_3d(&args.dk_map, box, h * 64, w.kv_head, token);
-              tma_store_3d(&args.dv_map, box + BLOCK_N * ROW_CHUNKS, h * 64, w.kv_head, token);
-            }
-          }
-          bulk_commit();
-        }
-        copy_dk_dv<Tiles>(p, w, staging, groups * 8, lane, 32);
-        if (lane == 0) bulk_wait<0, true>();  // the stores read the staging
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(&stored);
-        ITEM_END(release_item)
-        if (lane == 0) bulk_wait<0, false>();
-      }
-      allow_dependent_launch();
-      return;
-    }
+{% include "varlen/backward_wgmma_producer.cuh" %}
     set_max_registers<CONSUMER_REGS, true>();
     cp_async_wait<0>();
     fence_proxy_async_shared();  // for wgmma's (async proxy) reads
@@ -561,7 +207,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     const auto q = ring + i;  // the tile's place in the rings (PERSISTENT: unsigned, so % and / are bit ops)
     const int stage = q % STAGES;
     if constexpr (PRODUCER) {
-      mbarrier_wait(&full[stage], (q / STAGES) & 1);
+      mbarrier_wait(&full[stage], use_parity<STAGES>(q));
     } else {
       cp_async_wait<0>();
       fence_proxy_async_shared();  // the copies, before wgmma reads them
@@ -598,17 +244,16 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     auto& s4 = reinterpret_cast<float(&)[Q_TILES][4]>(s);
     auto& dp4 = reinterpret_cast<float(&)[Q_TILES][4]>(dp);
     float2 l[Q_TILES], d[Q_TILES];
-    if constexpr (SOFT_CAP) {  // dS^T needs tanh of S^T too: both at once, after both GEMMs
+    if constexpr (ScoreMod::ACTIVE) {  // dS^T needs the score of S^T too: both at once, after both GEMMs
       wgmma_wait<0>();
       wgmma_pin(s);
       wgmma_pin(dp);
       load_row_stats(l, lse2, q0, c);
       load_row_stats(d, delta, q0, c);
-      capped_scores_to_dscores(s4, dp4, l, d, sl2, p.cap_scale);
+      scored_probs_to_dscores(p, w, m, key0, q0, g, c, s4, dp4, l, d, sl2);
     } else {
-      // lse2 / delta read after the waits. lse2 read before them (under the GEMMs, 16 more
-      // registers live across the wait) measured slower on the H200: bf16 8 x 4k, full / causal
-      // D64 -3% / -2%, D128 -1% (notes/backward-h200.md).
+      // lse2 / delta read after the waits: lse2 read before them (under the GEMMs, 16 more
+      // registers live across the wait) measured slower (notes/backward-h200.md).
       wgmma_wait<1>();
       wgmma_pin(s);
       load_row_stats(l, lse2, q0, c);
@@ -762,7 +407,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
         // then write 256 bytes in two conflict-free wavefronts.
         const int row = (warp % 4) * 16 + g;  // this thread's dQ rows: row, row + 8
         const int b = q % DQ_STAGES;
-        if (q >= DQ_STAGES) mbarrier_wait(&dq_empty[b], (q / DQ_STAGES + 1) & 1);
+        if (q >= DQ_STAGES) mbarrier_wait(&dq_empty[b], free_parity<DQ_STAGES>(q));
         if (PERSISTENT && i == 0 && done > 0) mbarrier_wait(&stored, (done - 1) & 1);  // the buffers staged dK / dV
         float* buf = dq_smem + b * DQ_TILE;
         const int x = static_cast<int>(accum_row(p, w, row) & 7);  // rows row and row + 8 alike (BLOCK_M % 8 == 0)
@@ -809,8 +454,8 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   if constexpr (PERSISTENT) {
     if (lane == 0) mbarrier_arrive(&kv_empty);
     const auto n = ring + tiles;  // dQ hand-offs so far
-    if (n >= 1) mbarrier_wait(&dq_empty[(n - 1) % DQ_STAGES], ((n - 1) / DQ_STAGES) & 1);
-    if (n >= 2) mbarrier_wait(&dq_empty[(n - 2) % DQ_STAGES], ((n - 2) / DQ_STAGES) & 1);
+    if (n >= 1) mbarrier_wait(&dq_empty[(n - 1) % DQ_STAGES], use_parity<DQ_STAGES>(n - 1));
+    if (n >= 2) mbarrier_wait(&dq_empty[(n - 2) % DQ_STAGES], use_parity<DQ_STAGES>(n - 2));
     if (done > 0) mbarrier_wait(&stored, (done - 1) & 1);
     stage_dk_dv<Tiles>(p, dk4, dv4, key0, g, c, [](int t) { return t; }, reinterpret_cast<uint4*>(dq_smem));
     fence_proxy_async_shared();  // for the TMA stores' (async proxy) reads

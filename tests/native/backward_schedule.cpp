@@ -11,6 +11,7 @@
 //         per key of its tile (kv_head 0): K key first last (visible_rows; keys from the sequence's 0)
 //         then per key token:        W token written (key_written: 1 if a CTA writes its dK / dV)
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <iostream>
 #include <vector>
@@ -24,6 +25,9 @@ constexpr int BLOCK_N = BLOCK_N_;
 constexpr int BLOCK_M = BLOCK_M_;
 
 #include "backward_params.h"
+#include "tile_scheduler.cuh"
+#include "mask.cuh"
+using MaskMod = NoMaskMod;  // (hooks.cuh: the default)
 #include "backward_schedule.cuh"
 
 int main() {

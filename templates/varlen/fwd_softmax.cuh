@@ -1,0 +1,94 @@
+// The forward's math on a tile of scores in registers, between S = Q K^T and O += P V: the score
+// hook, the mask and the online softmax (included by kernels.cu.j2). A thread holds
+// s[mt][nt][e]: rows row0 + 16 mt + g (e < 2) and + 8 (e >= 2), keys col0 + 8 nt + 2 c + (e & 1)
+// of its warp's tile (mma.sync's m16n8 C layout; wgmma's per warp too).
+using ScoreTile = float[M_TILES][N_TILES][4];
+
+// The score hook on every logit of the tile (keys from n0; rows from the block's m0).
+__device__ __forceinline__ void score_tile(const VarlenParams& p, const Work& w, ScoreTile& s, int n0, int row0,
+                                           int col0, int g, int c) {
+  const ScoreMod score_mod(p);
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int pr = w.m0 + row0 + mt * 16 + (e / 2) * 8 + g;
+        const int kv = n0 + col0 + nt * 8 + 2 * c + (e & 1);
+        const TokenHead th = packed_row(pr, p.pack, w.q_start, w.kv_head);
+        s[mt][nt][e] = score_mod.score(s[mt][nt][e], w.seq, th.head, th.token - w.q_start, kv);
+      }
+}
+
+// Hide (-inf) the logits the mask hides: the built-in rule (mask.cuh), then the mask hook.
+__device__ __forceinline__ void mask_tile(const VarlenParams& p, const Work& w, ScoreTile& s, int n0, int row0,
+                                          int col0, int g, int c) {
+  const MaskMod mask_mod{};
+  const int off = w.k_len - w.q_len;
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // Visible keys [lo, hi) of this thread's query row.
+      const int pr = w.m0 + row0 + mt * 16 + h * 8 + g;
+      const int r = pr / p.pack;
+      const KeyRange keys = visible_keys(p, r, off, w.k_len);
+#pragma unroll
+      for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          const int col = n0 + col0 + nt * 8 + 2 * c + (e & 1);
+          bool hidden = col < keys.lo || col >= keys.hi;
+          if constexpr (MaskMod::ACTIVE)
+            hidden = hidden || !mask_mod.visible(w.seq, packed_row(pr, p.pack, w.q_start, w.kv_head).head, r, col);
+          if (hidden) s[mt][nt][e] = -INFINITY;
+        }
+    }
+}
+
+// Whether the mask hook hides part of key tile n0 of row block w (the tile then takes the mask).
+__device__ __forceinline__ bool mask_hook_cuts(const VarlenParams& p, const Work& w, int n0) {
+  if constexpr (!MaskMod::ACTIVE) return false;
+  const MaskMod mask_mod{};
+  const int q_lo = max(w.m0, 0) / p.pack, q_hi = (min(w.m0 + BLOCK_M, w.rows) - 1) / p.pack;
+  return mask_mod.classify(w.seq, w.kv_head, q_lo, q_hi, n0, n0 + BLOCK_N - 1) != TILE_FULL;
+}
+
+// Online softmax over the tile: new row maxima (over the quad that shares a row), exponentiate
+// in place (P, unnormalized, log2 units), running sums; each row's rescale of O into scale_o,
+// applied to O here unless RESCALE_O is false (OVERLAP: once O += P V let go of O).
+template <bool RESCALE_O>
+__device__ __forceinline__ void online_softmax(ScoreTile& s, float (&row_max)[M_TILES][2], float (&row_sum)[M_TILES][2],
+                                               float (&o)[M_TILES][CHUNKS][4], float (&scale_o)[M_TILES][2], float sl2) {
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = row_max[mt][h];
+#pragma unroll
+      for (int nt = 0; nt < N_TILES; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float base = mx == -INFINITY ? 0.f : mx * sl2;  // all masked so far: keep zeros
+      const float alpha = fast_exp2(row_max[mt][h] * sl2 - base);
+      row_max[mt][h] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], sl2, -base));
+          sum += s[mt][nt][e];
+        }
+      row_sum[mt][h] = row_sum[mt][h] * alpha + sum;
+      scale_o[mt][h] = alpha;
+      if constexpr (RESCALE_O) {
+#pragma unroll
+        for (int d = 0; d < CHUNKS; ++d) {
+          o[mt][d][2 * h] *= alpha;
+          o[mt][d][2 * h + 1] *= alpha;
+        }
+      }
+    }
+}

@@ -1,0 +1,53 @@
+// The mask, shared by the forward and the backward (its dQ kernel too): the built-in rule and
+// the mask hook.
+//
+// Built in: key c (from the sequence's first key) is visible from query row r iff
+//   r + off - left <= c <= r + off + right and c < k_len,   off = k_len - q_len,
+// windows aligned bottom-right, a negative edge unbounded (causal: right = 0); k_len is
+// seqused_k when given, and a paged key behind a bad page id reads as zeros (the loads).
+// Only tiles that straddle an edge are masked element by element: the schedulers classify tiles
+// (the forward's mask_below / mask_above, the backward's QueryTile::masked).
+
+// Visible keys [lo, hi) of query row r (the forward, the dQ kernel: rows are queries).
+struct KeyRange {
+  int lo, hi;
+};
+template <class Params>
+__device__ __forceinline__ KeyRange visible_keys(const Params& p, int r, int off, int k_len) {
+  return {p.window_left >= 0 ? r + off - p.window_left : INT_MIN,
+          p.window_right >= 0 ? min(k_len, r + off + p.window_right + 1) : k_len};
+}
+
+// The packed query rows of work w that see key `key` (the backward: rows are keys): key in
+// [r + off - left, r + off + right] with r = row / pack, so row in [(key - off - right) * pack,
+// (key - off + left + 1) * pack - 1], within [0, rows) and none past the keys (first > last:
+// none; first in [0, rows], last in [-1, rows - 1]).
+struct RowSpan {
+  int64_t first, last;
+};
+
+template <class Params, class AnyWork>
+__device__ __forceinline__ RowSpan visible_rows(const Params& p, const AnyWork& w, int64_t key) {
+  const int64_t off = int64_t(w.k_len) - w.q_len;
+  RowSpan v;
+  v.first = p.window_right >= 0 ? min(int64_t(w.rows), max(int64_t(0), (key - off - p.window_right) * p.pack)) : 0;
+  const int64_t last = p.window_left >= 0 ? (key - off + p.window_left + 1) * p.pack - 1 : int64_t(w.rows) - 1;
+  v.last = key < w.k_len ? max(int64_t(-1), min(last, int64_t(w.rows) - 1)) : -1;
+  return v;
+}
+
+// The mask hook (where a user mask_mod plugs in): visible(b, h, q_idx, kv_idx) on top of the
+// built-in rule, for sequence b, query head h, query q_idx and key kv_idx (both from the
+// sequence's start). It runs only on tiles that take the element-wise mask; classify() says of
+// a tile, queries [q_lo, q_hi] x keys [kv_lo, kv_hi] of sequence b and KV head kv_head, whether
+// the hook hides all of it (TILE_EMPTY), some (TILE_PARTIAL) or none (TILE_FULL), and the
+// mainloops mask the tiles it does not call full. (An empty tile is computed fully masked;
+// skipping it needs the scheduler and the producer to agree: not yet.) NoMaskMod, the default,
+// is inactive: every use of it compiles away.
+enum TileClass { TILE_EMPTY, TILE_PARTIAL, TILE_FULL };
+
+struct NoMaskMod {
+  static constexpr bool ACTIVE = false;
+  __device__ __forceinline__ bool visible(int, int, int, int) const { return true; }
+  __device__ __forceinline__ TileClass classify(int, int, int, int, int, int) const { return TILE_FULL; }
+};

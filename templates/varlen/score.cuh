@@ -1,0 +1,30 @@
+// The score hook, shared by the forward and the backward (its dQ kernel too): where a user
+// score_mod plugs in, and the logit soft cap, its first user.
+//
+// For the raw logit s = q . k of query q_idx, key kv_idx (from the sequence's start), query head
+// h and sequence b, the kernels' logit L (natural units) is given by
+//   L * log2(e) = scale_log2 * score(s, b, h, q_idx, kv_idx),
+// and the backward multiplies dS by dscore(s, score(s, ...), b, h, q_idx, kv_idx) = (dL / ds) /
+// scale (it applies scale to dQ and dK once, after the tile loop). Index arguments a hook does
+// not read cost nothing: they are dead code once it is inlined. IdentityScore (no cap, no user
+// function) is inactive: every use of it compiles away.
+
+struct IdentityScore {
+  static constexpr bool ACTIVE = false;
+  template <class Params>
+  __device__ __forceinline__ explicit IdentityScore(const Params&) {}
+  __device__ __forceinline__ float score(float s, int, int, int, int) const { return s; }
+  __device__ __forceinline__ float dscore(float, float, int, int, int, int) const { return 1.f; }
+};
+
+// Logit soft cap (Gemma-2): L = cap * tanh(scale * s / cap). The host folds cap * log2(e) into
+// scale_log2 and 2 * scale * log2(e) / cap into cap_scale (tanh_from_exp2's argument), so the
+// score is tanh(scale * s / cap) and its slope 1 - tanh^2.
+struct SoftCapScore {
+  static constexpr bool ACTIVE = true;
+  float cap_scale;
+  template <class Params>
+  __device__ __forceinline__ explicit SoftCapScore(const Params& p) : cap_scale(p.cap_scale) {}
+  __device__ __forceinline__ float score(float s, int, int, int, int) const { return tanh_from_exp2(s * cap_scale); }
+  __device__ __forceinline__ float dscore(float, float th, int, int, int, int) const { return fmaf(-th, th, 1.f); }
+};

@@ -1,0 +1,38 @@
+// Host build of the varlen kernels' score hook (templates/varlen/score.cuh, with the soft cap's
+// tanh from templates/common/soft_cap.cuh), for tests/test_varlen_template_parts.py: the same
+// source the kernels include, with the device intrinsics it uses replaced by their exact host
+// counterparts. Build with -I templates.
+//
+// argv: scale cap; stdin: raw logits s. stdout per s: s score dscore (SoftCapScore), then the
+// same for IdentityScore.
+#include <cmath>
+#include <cstdlib>
+#include <iostream>
+
+#define __device__
+#define __forceinline__ inline
+namespace jitattn {
+inline float fast_exp2(float x) { return std::exp2(x); }
+}  // namespace jitattn
+inline float __fdividef(float a, float b) { return a / b; }
+using std::fmaf;
+#include "common/soft_cap.cuh"
+using namespace jitattn;
+#include "varlen/score.cuh"
+
+struct Params {
+  float cap_scale;  // as the bindings set it: 2 * scale * log2(e) / cap
+};
+
+int main(int argc, char** argv) {
+  const double scale = std::atof(argv[1]), cap = std::atof(argv[2]);
+  const Params p{static_cast<float>(2.0 * scale * 1.4426950408889634 / cap)};
+  const SoftCapScore capped(p);
+  const IdentityScore identity(p);
+  std::cout.precision(9);
+  for (float s; std::cin >> s;) {
+    const float c = capped.score(s, 0, 0, 0, 0), i = identity.score(s, 0, 0, 0, 0);
+    std::cout << s << ' ' << c << ' ' << capped.dscore(s, c, 0, 0, 0, 0) << ' ' << i << ' '
+              << identity.dscore(s, i, 0, 0, 0, 0) << '\n';
+  }
+}
