@@ -1,1 +1,1 @@
-"""The JIT pipeline: spec -> render -> build -> cache -> load. See README "How the cache works"."""
+"""The JIT pipeline: spec -> render -> build -> cache -> load. See docs/cache.md and docs/design.md."""

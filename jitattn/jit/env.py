@@ -24,6 +24,8 @@ KNOBS: dict[str, tuple[str, str]] = {
     "JITATTN_DEBUG": ("0", "1 = extra value checks on inputs and a sync + error check after launches"),
     "JITATTN_RECORD": ("", "append every specialization this process asks for to this manifest"),
     "JITATTN_WGMMA": ("1", "0 = varlen prefill on sm_90 uses the mma.sync kernels instead of wgmma"),
+    "JITATTN_SPEC_OVERRIDES": ("", "varlen variants forced on top of the call rule, for benchmarks and tests: "
+                                   "'family:field=value,...[@field=value,...]' entries separated by ';'"),
     # The fleet tier (jitattn/jit/remote): read only on a local miss, never on the warm path.
     "JITATTN_REMOTE_CACHE": ("", "redis://[:password@]host:port/db or rediss://...: fleet cache searched "
                                  "after the local layers, before a build"),
