@@ -314,16 +314,15 @@ def strict(cache_root, monkeypatch):
     """JITATTN_DISABLE_JIT=1, archs 9.0, an empty module memo, and no real .so loading."""
     monkeypatch.setenv("JITATTN_DISABLE_JIT", "1")
     monkeypatch.setenv("JITATTN_CUDA_ARCH_LIST", "9.0")
-    monkeypatch.setattr(loader, "_modules", {})
-    monkeypatch.setattr(loader, "_loaded_namespaces", {})
     loads = []
 
     def fake_load(spec, entry):
         loads.append((spec, entry))
         return ("sentinel module", entry.path)
 
-    monkeypatch.setattr(loader, "_load", fake_load)
-    return cache_root, loads
+    monkeypatch.setattr(loader, "load_entry", fake_load)
+    with loader.forget_loaded(namespaces=True):  # nothing real loads: load_entry is the stand-in
+        yield cache_root, loads
 
 
 def fake_components(of_spec, nvcc="13.0.88", host_cxx="gcc 12.2.0", **override):

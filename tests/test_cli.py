@@ -38,8 +38,9 @@ def isolated(monkeypatch):
             monkeypatch.delenv(name)
     for name in ("JITATTN_CACHE_SEED_DIRS", "JITATTN_DISABLE_JIT", "JITATTN_RECORD"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(loader, "_modules", {})
-    monkeypatch.setattr(record, "_recorded", set())
+    record.reset()
+    with loader.forget_loaded():
+        yield
 
 
 def run_cli(capsys, *argv):
@@ -551,10 +552,11 @@ def test_a_registered_family_gets_the_flags_without_the_cli_naming_it(capsys, no
         def name(self):
             return f"other_{self.dtype}_d{self.head_dim}"
 
-    monkeypatch.setitem(registry._families, "other", OtherSpec)
-    got, _ = dry_run(capsys, "prewarm", "--family", "other", "--head-dim", "64,128", "--dtype", "bfloat16")
+    with registry.registered(OtherSpec):
+        got, _ = dry_run(capsys, "prewarm", "--family", "other", "--head-dim", "64,128", "--dtype", "bfloat16")
+        code, _, err = run_cli(capsys, "prewarm", "--family", "other", "--head-dim", "64", "--paged", "on",
+                               "--dry-run")
     assert got == [{"family": "other", "head_dim": d, "dtype": "bfloat16", "deterministic": False} for d in (64, 128)]
-    code, _, err = run_cli(capsys, "prewarm", "--family", "other", "--head-dim", "64", "--paged", "on", "--dry-run")
     assert code == 2 and "--paged applies to none of the families ['other']" in err and "deterministic" in err
 
 

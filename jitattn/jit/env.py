@@ -172,6 +172,13 @@ def _fallback_cache_dir() -> Path:
 _missing_seeds_warned: set[str] = set()
 
 
+def forget_warnings() -> None:
+    """Warn again, once each, about a fallback cache dir or a missing seed dir, as a fresh process
+    would (tests of those warnings)."""
+    _fallback_warned.clear()
+    _missing_seeds_warned.clear()
+
+
 def seed_dirs() -> list[Path]:
     """The read-only seed roots, in order. One that is not a directory is kept (it may appear
     later) but logged once per process: a typo must not leave a fleet building silently."""
