@@ -18,7 +18,7 @@ from jitattn.errors import ToolchainError
 from jitattn.jit import cache, env
 
 
-class Toolchain(NamedTuple):  # (a NamedTuple: a frozen dataclass cost the first call ~1 ms to create)
+class Toolchain(NamedTuple):  # not a frozen dataclass, slower to create (notes/host-time.md, "jit/toolchain.py")
     cuda_home: Path
     nvcc: Path
     host_cxx: Path
