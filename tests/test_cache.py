@@ -394,6 +394,18 @@ def test_strict_mode_accepts_an_entry_built_by_another_toolchain(strict):
     assert not (root / cache.LOCKS).exists()  # the warm path takes no lock
 
 
+def test_forget_loaded_looks_each_spec_up_again_inside_the_block_and_remembers_after(strict):
+    root, loads = strict
+    path = publish_fake(root, SPEC, fake_components(SPEC))
+    module = loader.get_module(SPEC)
+    with loader.forget_loaded():
+        assert SPEC not in loader._modules
+        again = loader.get_module(SPEC)  # looked up and loaded again
+        assert again == module and again is not module and len(loads) == 2
+    assert loader.get_module(SPEC) is module and len(loads) == 2  # the memo from before the block
+    assert module == ("sentinel module", path)
+
+
 def test_strict_mode_does_not_accept_an_entry_for_another_spec_field(strict):
     root, loads = strict
     other = DecodeSpec(head_dim=128, soft_cap=True)

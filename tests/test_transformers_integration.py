@@ -52,6 +52,27 @@ def calls(monkeypatch):
         yield recorded
 
 
+# ---------------------------------------------------------------- the kernel seam
+def test_use_backend_takes_only_a_backend_and_restores_the_previous_one_after_an_error(calls):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="Backend"):
+        with jt.use_backend(reference_standin(calls)):  # a bare function, not a Backend
+            pass
+    seen = []
+
+    def failing(*args, **kwargs):
+        seen.append(args)
+        raise RuntimeError("stand-in failed")
+
+    with pytest.raises(RuntimeError, match="stand-in failed"):
+        with jt.use_backend(jt.Backend(failing, (torch.float16, torch.bfloat16, F32))):
+            jt.attention_forward(Attn(), q, k, v, None)
+    assert len(seen) == 1
+    before = len(calls)
+    jt.attention_forward(Attn(), q, k, v, None)  # back on the fixture's reference stand-in
+    assert len(calls) == before + 1
+
+
 # ---------------------------------------------------------------- registration
 def test_register_adds_jitattn_to_both_interfaces():
     from transformers import AttentionInterface
