@@ -4,8 +4,8 @@ the refusals, and whole small models (Llama, Mistral with a sliding window, Gemm
 without its logit soft cap) against transformers' own sdpa in float32: logits with padding, greedy generation with
 the KV cache, a training step packed (DataCollatorWithFlattening) against unpacked.
 
-varlen_attn needs a GPU, so here the integration's one call into jitattn
-(`jitattn.integrations.transformers._varlen_attn`) runs varlen_attn's own argument checks (on a
+varlen_attn needs a GPU, so here the integration's one call into jitattn goes to a stand-in (put in
+with `jitattn.integrations.transformers.use_backend`) that runs varlen_attn's own argument checks (on a
 bfloat16 copy: the kernels' dtypes) and then the float64 reference. The same models against the
 real kernels: tests/test_transformers_gpu.py.
 """
