@@ -115,7 +115,8 @@ def use_backend(backend: Backend) -> Iterator[Backend]:
     What forward passes derived is forgotten on entry and on exit, so each first layer's work shows."""
     global _backend
     if not isinstance(backend, Backend):
-        raise TypeError(f"backend must be a jitattn.integrations.transformers.Backend, got {type(backend).__name__}")
+        raise TypeError(f"backend must be a jitattn.integrations.transformers.Backend, "
+                        f"got {type(backend).__name__}")
     previous, _backend = _backend, backend
     _PER_FORWARD.clear()
     try:

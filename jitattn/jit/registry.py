@@ -33,13 +33,17 @@ def register(cls: type[KernelSpec]) -> type[KernelSpec]:
 
 @contextlib.contextmanager
 def registered(cls: type[KernelSpec]) -> Iterator[type[KernelSpec]]:
-    """Within the block `cls` is a registered family; after it, it is gone again (a test's or a
-    tool's family that must not outlive it)."""
+    """Within the block `cls` is a registered family; after it, the registry is as it was (a test's
+    or a tool's family that must not outlive it)."""
+    previous = _families.get(cls.family)
     register(cls)
     try:
         yield cls
     finally:
-        _families.pop(cls.family, None)
+        if previous is None:
+            _families.pop(cls.family, None)
+        else:
+            _families[cls.family] = previous
 
 
 def _discover() -> None:
