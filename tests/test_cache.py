@@ -314,16 +314,15 @@ def strict(cache_root, monkeypatch):
     """JITATTN_DISABLE_JIT=1, archs 9.0, an empty module memo, and no real .so loading."""
     monkeypatch.setenv("JITATTN_DISABLE_JIT", "1")
     monkeypatch.setenv("JITATTN_CUDA_ARCH_LIST", "9.0")
-    monkeypatch.setattr(loader, "_modules", {})
-    monkeypatch.setattr(loader, "_loaded_namespaces", {})
     loads = []
 
     def fake_load(spec, entry):
         loads.append((spec, entry))
         return ("sentinel module", entry.path)
 
-    monkeypatch.setattr(loader, "_load", fake_load)
-    return cache_root, loads
+    monkeypatch.setattr(loader, "load_entry", fake_load)
+    with loader.forget_loaded(namespaces=True):  # nothing real loads: load_entry is the stand-in
+        yield cache_root, loads
 
 
 def fake_components(of_spec, nvcc="13.0.88", host_cxx="gcc 12.2.0", **override):
@@ -393,6 +392,18 @@ def test_strict_mode_accepts_an_entry_built_by_another_toolchain(strict):
     assert loader.get_module(SPEC) is module
     assert len(loads) == 1
     assert not (root / cache.LOCKS).exists()  # the warm path takes no lock
+
+
+def test_forget_loaded_looks_each_spec_up_again_inside_the_block_and_remembers_after(strict):
+    root, loads = strict
+    path = publish_fake(root, SPEC, fake_components(SPEC))
+    module = loader.get_module(SPEC)
+    with loader.forget_loaded():
+        assert SPEC not in loader._modules
+        again = loader.get_module(SPEC)  # looked up and loaded again
+        assert again == module and again is not module and len(loads) == 2
+    assert loader.get_module(SPEC) is module and len(loads) == 2  # the memo from before the block
+    assert module == ("sentinel module", path)
 
 
 def test_strict_mode_does_not_accept_an_entry_for_another_spec_field(strict):

@@ -38,8 +38,9 @@ def isolated(monkeypatch):
             monkeypatch.delenv(name)
     for name in ("JITATTN_CACHE_SEED_DIRS", "JITATTN_DISABLE_JIT", "JITATTN_RECORD"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(loader, "_modules", {})
-    monkeypatch.setattr(record, "_recorded", set())
+    record.reset()
+    with loader.forget_loaded():
+        yield
 
 
 def run_cli(capsys, *argv):
@@ -530,7 +531,7 @@ def test_the_backward_family_takes_the_same_flags(capsys, no_builds):
         VarlenBackwardSpec(128, "float16", wgmma=True, producer=True), VarlenBackwardSpec(128, "float16")]
 
 
-def test_a_registered_family_gets_the_flags_without_the_cli_naming_it(capsys, no_builds, monkeypatch):
+def test_a_registered_family_gets_the_flags_without_the_cli_naming_it(capsys, no_builds):
     """--family takes whatever the registry holds (a backward family, say): flags map by field name."""
     from dataclasses import dataclass
     from typing import ClassVar
@@ -551,11 +552,13 @@ def test_a_registered_family_gets_the_flags_without_the_cli_naming_it(capsys, no
         def name(self):
             return f"other_{self.dtype}_d{self.head_dim}"
 
-    monkeypatch.setitem(registry._families, "other", OtherSpec)
-    got, _ = dry_run(capsys, "prewarm", "--family", "other", "--head-dim", "64,128", "--dtype", "bfloat16")
+    with registry.registered(OtherSpec):
+        got, _ = dry_run(capsys, "prewarm", "--family", "other", "--head-dim", "64,128", "--dtype", "bfloat16")
+        code, _, err = run_cli(capsys, "prewarm", "--family", "other", "--head-dim", "64", "--paged", "on",
+                               "--dry-run")
     assert got == [{"family": "other", "head_dim": d, "dtype": "bfloat16", "deterministic": False} for d in (64, 128)]
-    code, _, err = run_cli(capsys, "prewarm", "--family", "other", "--head-dim", "64", "--paged", "on", "--dry-run")
     assert code == 2 and "--paged applies to none of the families ['other']" in err and "deterministic" in err
+    assert "other" not in registry.families()  # registered only within the block
 
 
 @pytest.mark.parametrize("argv,named", [

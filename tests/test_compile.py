@@ -54,11 +54,10 @@ def _fresh_memos(monkeypatch):
     monkeypatch.setenv("CUDA_HOME", os.environ.get("CUDA_HOME", ""))
     if not os.environ["CUDA_HOME"]:
         monkeypatch.delenv("CUDA_HOME")
-    monkeypatch.setattr(loader, "_modules", {})
-    monkeypatch.setattr(record, "_recorded", set())
+    record.reset()
     from jitattn.kernel import fresh_memos
 
-    with fresh_memos():  # the per-call kernel memos too
+    with loader.forget_loaded(), fresh_memos():  # the per-call kernel memos too
         yield
 
 
@@ -108,12 +107,11 @@ def compiled(tmp_path_factory):
     # Building a spec whose op namespace this process already loaded would crash it (see
     # test_forced_rebuild_after_loading_in_the_same_process): take the first one not loaded.
     spec = next(s for s in SPEC_VARIANTS if not any(n.startswith(f"jitattn_{s.name}_") for n in loader._loaded_namespaces))
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, loader.forget_loaded():
         use_cache(mp, root)
         mp.setenv("CUDA_HOME", os.environ.get("CUDA_HOME", ""))  # the build may set it: undo
         if not os.environ["CUDA_HOME"]:
             mp.delenv("CUDA_HOME")
-        mp.setattr(loader, "_modules", {})
         before = loader.COMPILE_COUNT
         module, was_compiled = loader.build_spec(spec)
         compiles = loader.COMPILE_COUNT - before
@@ -296,9 +294,8 @@ def broken_build(tmp_path_factory):
     kernels = broken / "decode" / "kernels.cu.j2"
     kernels.write_text(kernels.read_text() + "\nthis is not C++;\n")
     spec = DecodeSpec(head_dim=96)
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, loader.forget_loaded():
         use_cache(mp, tmp / "cache")
-        mp.setattr(loader, "_modules", {})
         # render.render and render.spec_template_digest (the key) both call templates_dir() at call time
         mp.setattr(render, "templates_dir", lambda: broken)
         assert render.spec_template_digest(spec) != render.spec_template_digest(spec, REPO / "templates")
@@ -351,8 +348,8 @@ def test_record_mode_lists_each_requested_spec_once(compiled, tmp_path, monkeypa
     assert read_manifest(path) == [spec]
 
     loader.get_module(spec)  # memo hit
-    monkeypatch.setattr(loader, "_modules", {})
-    loader.get_module(spec)  # memo miss: asks the recorder again
+    with loader.forget_loaded():
+        loader.get_module(spec)  # memo miss: asks the recorder again
     assert read_manifest(path) == [spec]
     assert path.read_text().count("[[spec]]") == 1
 
@@ -430,8 +427,7 @@ def test_each_varlen_tile_shape_compiles_and_registers_its_ops(tmp_path, monkeyp
     run and ctas_per_sm ops."""
     import torch
 
-    use_cache(monkeypatch, tmp_path / "cache")
-    monkeypatch.setattr(loader, "_modules", {})
+    use_cache(monkeypatch, tmp_path / "cache")  # the module memo is empty (_fresh_memos)
     for spec in (VarlenSpec(head_dim=64, dtype="bfloat16", paged=True, decode=False),
                  VarlenSpec(head_dim=64, dtype="float16", paged=False, decode=True),
                  VarlenSpec(head_dim=128, dtype="bfloat16", paged=False, decode=False, wgmma=True),
@@ -467,8 +463,7 @@ producer variant, the largest template path): real nvcc builds
 
     from jitattn.varlen.spec import VarlenBackwardSpec
 
-    use_cache(monkeypatch, tmp_path / "cache")
-    monkeypatch.setattr(loader, "_modules", {})
+    use_cache(monkeypatch, tmp_path / "cache")  # the module memo is empty (_fresh_memos)
     for spec in (VarlenBackwardSpec(head_dim=128, dtype="bfloat16"), VarlenBackwardSpec(head_dim=208, dtype="float16"),
                  VarlenBackwardSpec(head_dim=64, dtype="float16", wgmma=True),
                  VarlenBackwardSpec(head_dim=128, dtype="bfloat16", wgmma=True, producer=True, persistent=True)):

@@ -125,13 +125,14 @@ def strict_mode(monkeypatch):
     monkeypatch.setenv("JITATTN_CUDA_ARCH_LIST", ARCH)
     monkeypatch.delenv("JITATTN_CACHE_SEED_DIRS", raising=False)
     monkeypatch.delenv("JITATTN_RECORD", raising=False)
-    monkeypatch.setattr(loader, "_modules", {})
     import torch
 
     def no_load(path):
         pytest.fail(f"strict mode loaded {path}")
 
     monkeypatch.setattr(torch.ops, "load_library", no_load)
+    with loader.forget_loaded():
+        yield
 
 
 @pytest.mark.parametrize("corrupted", list(CORRUPTIONS), indirect=True)
@@ -179,7 +180,6 @@ def _error_text(first_error: str) -> str:
 def test_a_failed_build_leaves_no_litter_and_releases_its_lock(cache_root, tmp_path, monkeypatch):
     require_nvcc()
     monkeypatch.setenv("JITATTN_CUDA_ARCH_LIST", ARCH)
-    monkeypatch.setattr(loader, "_modules", {})
     broken = tmp_path / "templates"
     shutil.copytree(REPO / "templates", broken)
     kernels = broken / "decode" / "kernels.cu.j2"
@@ -188,7 +188,7 @@ def test_a_failed_build_leaves_no_litter_and_releases_its_lock(cache_root, tmp_p
     spec = DecodeSpec(head_dim=112)
 
     t0 = time.monotonic()
-    with pytest.raises(JitCompileError) as info:
+    with pytest.raises(JitCompileError) as info, loader.forget_loaded():
         loader.get_module(spec)
     first = time.monotonic() - t0
     assert "error" in info.value.first_error

@@ -38,3 +38,19 @@ def test_knob_reads_see_writes_through_os_environ_at_once():
         assert env.debug() is True
     finally:
         os.environ.pop("JITATTN_DEBUG", None)
+
+
+def test_record_reset_makes_the_next_use_of_a_spec_append_it_again(tmp_path, monkeypatch):
+    from jitattn.decode.spec import DecodeSpec
+    from jitattn.jit import record
+
+    path = tmp_path / "recorded.toml"
+    monkeypatch.setenv("JITATTN_RECORD", str(path))
+    record.reset()
+    spec = DecodeSpec(head_dim=64, soft_cap=True)
+    record.record_spec(spec)
+    record.record_spec(spec)
+    assert path.read_text().count("[[spec]]") == 1
+    record.reset()
+    record.record_spec(spec)
+    assert path.read_text().count("[[spec]]") == 2

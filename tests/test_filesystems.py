@@ -186,7 +186,7 @@ def no_home(monkeypatch, tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-    monkeypatch.setattr(env, "_fallback_warned", set())
+    env.forget_warnings()
     import pwd
 
     def passwd_home(home: str | None):

@@ -337,7 +337,7 @@ def test_a_prewarm_prints_a_line_as_each_build_starts_and_while_it_runs(root, ca
         time.sleep(0.35)
         return prewarm.Outcome(spec, "built", 0.35)
 
-    monkeypatch.setattr(prewarm, "_build_one", slow_build)
+    monkeypatch.setattr(prewarm, "build_one", slow_build)
     monkeypatch.setattr(prewarm, "ConsoleProgress", lambda total, jobs: RealProgress(total, jobs, every=0.1))
     monkeypatch.setattr("jitattn.jit.loader.is_cached", lambda spec: False)
     code, out, err = run_cli(capsys, "prewarm", "--head-dim", "64", "--arch", "9.0", "-j", "1")

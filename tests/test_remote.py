@@ -14,6 +14,7 @@ The multi-process behaviour (one compile per fleet, kills, lock expiry) is in te
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -47,6 +48,13 @@ class Fleet:
         self.tmp, self.mp, self.server = tmp_path, monkeypatch, server
         self.log = tmp_path / "compiles.log"
         self.cuda = fake_compiler.make_cuda_home(tmp_path / "cuda")
+        self.memos = contextlib.ExitStack()  # closed on exit: this process's memos come back
+
+    def __enter__(self) -> "Fleet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.memos.close()
 
     def root(self, name: str) -> Path:
         return self.tmp / f"node-{name}"
@@ -70,9 +78,8 @@ class Fleet:
         return self.root(name)
 
     def fresh_process(self) -> None:
-        self.mp.setattr(loader, "_modules", {})
-        self.mp.setattr(loader, "_loaded_namespaces", {})
-        self.mp.setattr(remote, "_tiers", {})
+        self.memos.enter_context(loader.forget_loaded(namespaces=True))
+        remote.forget_tiers()
         toolchain._fingerprint.cache_clear()
 
     def key(self, spec) -> str:
@@ -91,8 +98,8 @@ def fleet(tmp_path, monkeypatch, server):
     monkeypatch.setenv("FAKE_COMPILE_LOG", str(tmp_path / "compiles.log"))
     monkeypatch.setenv("FAKE_COMPILE_SECONDS", "0")
     monkeypatch.setattr(build, "compile_library", fake_compiler.compile_library)
-    f = Fleet(tmp_path, monkeypatch, server)
-    yield f
+    with Fleet(tmp_path, monkeypatch, server) as f:
+        yield f
     toolchain._fingerprint.cache_clear()
 
 
@@ -539,14 +546,14 @@ def test_a_full_server_is_logged_once_and_the_build_goes_on(tmp_path, monkeypatc
         monkeypatch.setenv("FAKE_COMPILE_LOG", str(tmp_path / "compiles.log"))
         monkeypatch.setenv("FAKE_COMPILE_SECONDS", "0")
         monkeypatch.setattr(build, "compile_library", fake_compiler.compile_library)
-        fleet = Fleet(tmp_path, monkeypatch, full)
-        fleet.use("a")
-        (module, compiled, pulled), seconds = _timed_get(SPEC)
-        assert (compiled, pulled) == (1, 0) and seconds < 5
-        assert_right_library(module, SPEC, fleet)
-        faults = warnings_of(jlog)
-        assert len(faults) == 1 and "OutOfMemoryError" in faults[0], faults
-        assert fleet.value(SPEC) is None
+        with Fleet(tmp_path, monkeypatch, full) as fleet:
+            fleet.use("a")
+            (module, compiled, pulled), seconds = _timed_get(SPEC)
+            assert (compiled, pulled) == (1, 0) and seconds < 5
+            assert_right_library(module, SPEC, fleet)
+            faults = warnings_of(jlog)
+            assert len(faults) == 1 and "OutOfMemoryError" in faults[0], faults
+            assert fleet.value(SPEC) is None
     finally:
         full.stop()
 
@@ -559,14 +566,14 @@ def test_a_server_that_needs_a_password_refuses_a_wrong_one_as_a_fault(tmp_path,
         fake_compiler.require_cc()
         monkeypatch.setenv("FAKE_COMPILE_SECONDS", "0")
         monkeypatch.setattr(build, "compile_library", fake_compiler.compile_library)
-        fleet = Fleet(tmp_path, monkeypatch, secured)
-        fleet.use("a")
-        assert get(SPEC)[1:] == (1, 0)
-        assert envelope.header_of(fleet.value(SPEC))["signature"]  # published with the password
-        fleet.use("b", JITATTN_REMOTE_CACHE=secured.url.replace("s3cret-pass", "wrong"))
-        assert get(SPEC)[1:] == (1, 0)
-        faults = warnings_of(jlog)
-        assert len(faults) == 1 and "s3cret-pass" not in faults[0] and "wrong" not in faults[0], faults
+        with Fleet(tmp_path, monkeypatch, secured) as fleet:
+            fleet.use("a")
+            assert get(SPEC)[1:] == (1, 0)
+            assert envelope.header_of(fleet.value(SPEC))["signature"]  # published with the password
+            fleet.use("b", JITATTN_REMOTE_CACHE=secured.url.replace("s3cret-pass", "wrong"))
+            assert get(SPEC)[1:] == (1, 0)
+            faults = warnings_of(jlog)
+            assert len(faults) == 1 and "s3cret-pass" not in faults[0] and "wrong" not in faults[0], faults
     finally:
         secured.stop()
 
@@ -579,16 +586,16 @@ def test_rediss_works_with_a_trusted_certificate_and_faults_without_one(tmp_path
         fake_compiler.require_cc()
         monkeypatch.setenv("FAKE_COMPILE_SECONDS", "0")
         monkeypatch.setattr(build, "compile_library", fake_compiler.compile_library)
-        fleet = Fleet(tmp_path, monkeypatch, secure)
-        fleet.use("a")
-        assert secure.url.startswith("rediss://")
-        assert get(SPEC)[1:] == (1, 0)
-        fleet.use("b")
-        assert get(SPEC)[1:] == (0, 1)  # pulled over TLS
-        fleet.use("c", JITATTN_REMOTE_CACHE=secure.url.split("?")[0])  # no CA: the certificate is not trusted
-        assert get(SPEC)[1:] == (1, 0)
-        faults = warnings_of(jlog)
-        assert len(faults) == 1 and "CERTIFICATE_VERIFY_FAILED" in faults[0], faults
+        with Fleet(tmp_path, monkeypatch, secure) as fleet:
+            fleet.use("a")
+            assert secure.url.startswith("rediss://")
+            assert get(SPEC)[1:] == (1, 0)
+            fleet.use("b")
+            assert get(SPEC)[1:] == (0, 1)  # pulled over TLS
+            fleet.use("c", JITATTN_REMOTE_CACHE=secure.url.split("?")[0])  # no CA: the certificate is not trusted
+            assert get(SPEC)[1:] == (1, 0)
+            faults = warnings_of(jlog)
+            assert len(faults) == 1 and "CERTIFICATE_VERIFY_FAILED" in faults[0], faults
     finally:
         secure.stop()
 

@@ -356,7 +356,7 @@ def test_arch_tag_and_gencode_flags():
 def no_arch_env(monkeypatch):
     monkeypatch.delenv("JITATTN_CUDA_ARCH_LIST", raising=False)
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
-    visible = toolchain._visible_gpu_archs  # lru_cached: start and end with an empty cache
+    visible = toolchain.visible_gpu_archs  # lru_cached: start and end with an empty cache
     visible.cache_clear()
     yield monkeypatch
     visible.cache_clear()
@@ -374,12 +374,12 @@ def test_target_archs_falls_back_to_torch_arch_list(no_arch_env):
 
 
 def test_target_archs_uses_visible_gpus_when_nothing_is_set(no_arch_env):
-    no_arch_env.setattr(toolchain, "_visible_gpu_archs", lambda: ("9.0",))
+    no_arch_env.setattr(toolchain, "visible_gpu_archs", lambda: ("9.0",))
     assert toolchain.target_archs() == (("9.0",), "visible GPUs")
 
 
 def test_target_archs_without_gpu_or_setting_says_how_to_set_one(no_arch_env):
-    no_arch_env.setattr(toolchain, "_visible_gpu_archs", lambda: ())
+    no_arch_env.setattr(toolchain, "visible_gpu_archs", lambda: ())
     with pytest.raises(ToolchainError) as info:
         toolchain.target_archs()
     msg = str(info.value)
@@ -391,7 +391,7 @@ def test_target_archs_on_this_machine_without_a_gpu(no_arch_env):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    assert toolchain._visible_gpu_archs() == ()
+    assert toolchain.visible_gpu_archs() == ()
     with pytest.raises(ToolchainError, match="JITATTN_CUDA_ARCH_LIST"):
         toolchain.target_archs()
 

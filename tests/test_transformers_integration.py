@@ -4,8 +4,8 @@ the refusals, and whole small models (Llama, Mistral with a sliding window, Gemm
 without its logit soft cap) against transformers' own sdpa in float32: logits with padding, greedy generation with
 the KV cache, a training step packed (DataCollatorWithFlattening) against unpacked.
 
-varlen_attn needs a GPU, so here the integration's one call into jitattn
-(`jitattn.integrations.transformers._varlen_attn`) runs varlen_attn's own argument checks (on a
+varlen_attn needs a GPU, so here the integration's one call into jitattn goes to a stand-in (put in
+with `jitattn.integrations.transformers.use_backend`) that runs varlen_attn's own argument checks (on a
 bfloat16 copy: the kernels' dtypes) and then the float64 reference. The same models against the
 real kernels: tests/test_transformers_gpu.py.
 """
@@ -22,10 +22,9 @@ from jitattn.varlen.checks import check_varlen_args  # noqa: E402
 F32, BF16, I32 = torch.float32, torch.bfloat16, torch.int32
 
 
-@pytest.fixture
-def calls(monkeypatch):
-    """Every varlen_attn call the integration makes, answered by the float64 reference."""
-    recorded = []
+def reference_standin(recorded: list):
+    """A varlen_attn that appends each call's arguments to `recorded` and answers with the float64
+    reference."""
 
     def standin(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False,
                 seqused_k=None, softcap=None):
@@ -39,11 +38,39 @@ def calls(monkeypatch):
                                        seqused_k=seqused_k, softcap=softcap)
         return out.to(q.dtype)
 
-    monkeypatch.setattr(jt, "_varlen_attn", standin)
-    monkeypatch.setattr(jt, "_DTYPES", (torch.float16, torch.bfloat16, F32))  # the reference is exact in float32
+    return standin
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Every varlen_attn call the integration makes, answered by the float64 reference."""
+    recorded = []
     monkeypatch.setattr(_checks, "cuda_device", lambda named: torch.device("cuda", 0))
-    jt.register()
-    return recorded
+    # the reference is exact in float32
+    with jt.use_backend(jt.Backend(reference_standin(recorded), (torch.float16, torch.bfloat16, F32))):
+        jt.register()
+        yield recorded
+
+
+# ---------------------------------------------------------------- the kernel seam
+def test_use_backend_takes_only_a_backend_and_restores_the_previous_one_after_an_error(calls):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="Backend"):
+        with jt.use_backend(reference_standin(calls)):  # a bare function, not a Backend
+            pass
+    seen = []
+
+    def failing(*args, **kwargs):
+        seen.append(args)
+        raise RuntimeError("stand-in failed")
+
+    with pytest.raises(RuntimeError, match="stand-in failed"):
+        with jt.use_backend(jt.Backend(failing, (torch.float16, torch.bfloat16, F32))):
+            jt.attention_forward(Attn(), q, k, v, None)
+    assert len(seen) == 1
+    before = len(calls)
+    jt.attention_forward(Attn(), q, k, v, None)  # back on the fixture's reference stand-in
+    assert len(calls) == before + 1
 
 
 # ---------------------------------------------------------------- registration
@@ -208,13 +235,13 @@ def test_refusals_name_what_cannot_be_expressed(calls):
     torch.testing.assert_close(out[holes].double(), sdpa(q, k, v, mask=holes)[holes], rtol=0, atol=1e-5)
 
 
-def test_float32_runs_under_autocast_and_is_refused_without(calls, monkeypatch):
-    monkeypatch.setattr(jt, "_DTYPES", (torch.float16, torch.bfloat16))
+def test_float32_runs_under_autocast_and_is_refused_without(calls):
     q, k, v = qkv()
-    with pytest.raises(TypeError, match=r"float16 or bfloat16.*dtype=torch\.bfloat16.*autocast"):
-        jt.attention_forward(Attn(), q, k, v, None)
-    with torch.autocast("cpu", dtype=BF16):
-        out, _ = jt.attention_forward(Attn(), q, k, v, None)
+    with jt.use_backend(jt.Backend(reference_standin(calls), (torch.float16, torch.bfloat16))):
+        with pytest.raises(TypeError, match=r"float16 or bfloat16.*dtype=torch\.bfloat16.*autocast"):
+            jt.attention_forward(Attn(), q, k, v, None)
+        with torch.autocast("cpu", dtype=BF16):
+            out, _ = jt.attention_forward(Attn(), q, k, v, None)
     assert out.dtype == BF16 and calls[-1]["q"].dtype == BF16
 
 
@@ -366,9 +393,9 @@ class SyncCounter(torch.overrides.TorchFunctionMode):
 
 
 @pytest.fixture
-def sync_counter(calls, monkeypatch):
+def sync_counter(calls):
     counter = SyncCounter()
-    standin = jt._varlen_attn
+    standin = reference_standin(calls)
 
     def paused(*args, **kwargs):
         counter.paused = True
@@ -377,9 +404,9 @@ def sync_counter(calls, monkeypatch):
         finally:
             counter.paused = False
 
-    monkeypatch.setattr(jt, "_varlen_attn", paused)
-    jt._PER_FORWARD.clear()
-    return counter
+    # use_backend also starts from an empty per-forward memo: the first layer's reads show
+    with jt.use_backend(jt.Backend(paused, (torch.float16, torch.bfloat16, F32))):
+        yield counter
 
 
 @pytest.mark.parametrize("len_q", [9, 1])

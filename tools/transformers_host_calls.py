@@ -4,7 +4,7 @@
 
 Loads the integration module from the given file (default: this checkout's, so an older copy can
 be compared, e.g. `git show 00b4846:jitattn/integrations/transformers.py > /tmp/old.py`), replaces
-its varlen_attn call by `torch.empty`, and runs 32 layer calls of a batch-8 decode step (a 320-slot
+jitattn.varlen_attn, which every copy calls through, by `torch.empty`, and runs 32 layer calls of a batch-8 decode step (a 320-slot
 cache, 16/4 heads of 128, left padding 0..126 tokens) with and without the padding mask: prints
 the torch calls per layer, the host reads (item/tolist/nonzero/...) per 32 layers, and CPU time per
 layer call. notes/transformers-host.md has the figures.
@@ -36,11 +36,17 @@ def load(path: Path):
     spec = importlib.util.spec_from_file_location("integration_under_test", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module._varlen_attn = lambda q, *args, **kwargs: torch.empty(q.shape, dtype=q.dtype)
     return module
 
 
+def stand_in(q, *args, **kwargs):
+    return torch.empty(q.shape, dtype=q.dtype)
+
+
 def main():
+    import jitattn
+
+    jitattn.varlen_attn = stand_in  # public: each integration copy looks it up at call time
     default = Path(__file__).resolve().parents[1] / "jitattn" / "integrations" / "transformers.py"
     integration = load(Path(sys.argv[1]) if len(sys.argv) > 1 else default)
 

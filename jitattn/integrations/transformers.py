@@ -23,6 +23,8 @@ and needs no flash-attn package. How a call maps (query (B, H_q, L_q, D), key/va
   first layer and reused by the others (`_PER_FORWARD`, keyed by the tensor's identity and
   version), with one host read per forward pass (the longest row, and whether a row has gaps);
   the other layers make no host sync. The dense path's sequence starts are made once per shape.
+- `Backend` / `use_backend` is the seam between the argument mapping and the kernel (tests put
+  the float64 reference there, as `torch_flash.Kernels` / `use_kernels` do for that provider).
 - packed sequences (batch 1): `cu_seq_lens_q/k` + `max_length_q/k` (DataCollatorWithFlattening
   with return_flash_attn_kwargs=True) or position_ids that restart (its default).
 - `is_causal` -> window (-1, 0); `sliding_window` W -> left W - 1 (a key is seen iff
@@ -36,13 +38,14 @@ row when a sliding window is in effect (the window would count tokens, not posit
 from __future__ import annotations
 
 import collections
+import contextlib
 import weakref
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
 
 NAME = "jitattn"
-_DTYPES = (torch.float16, torch.bfloat16)  # what varlen_attn computes in
 
 
 def register(name: str = NAME) -> str:
@@ -87,11 +90,44 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return out.view(batch, len_q, heads_q, head_dim), None
 
 
-def _varlen_attn(*args, **kwargs):
-    """jitattn.varlen_attn (a seam: the CPU tests put the float64 reference here)."""
+# ----------------------------------------------------------------------------- the kernel seam
+def _jitattn_varlen_attn(*args, **kwargs):
     import jitattn
 
     return jitattn.varlen_attn(*args, **kwargs)
+
+
+class Backend(NamedTuple):
+    """What the attention calls run on: `varlen_attn`, with jitattn.varlen_attn's signature, and the
+    dtypes it computes in (others are cast under autocast, or refused)."""
+
+    varlen_attn: Callable
+    dtypes: tuple = (torch.float16, torch.bfloat16)
+
+
+JITATTN_BACKEND = Backend(_jitattn_varlen_attn)
+_backend = JITATTN_BACKEND
+
+
+@contextlib.contextmanager
+def use_backend(backend: Backend) -> Iterator[Backend]:
+    """Run the attention calls on `backend` instead of jitattn's (a test's stand-in), restoring after.
+    What forward passes derived is forgotten on entry and on exit, so each first layer's work shows."""
+    global _backend
+    if not isinstance(backend, Backend):
+        raise TypeError(f"backend must be a jitattn.integrations.transformers.Backend, "
+                        f"got {type(backend).__name__}")
+    previous, _backend = _backend, backend
+    _PER_FORWARD.clear()
+    try:
+        yield backend
+    finally:
+        _backend = previous
+        _PER_FORWARD.clear()
+
+
+def _varlen_attn(*args, **kwargs):
+    return _backend.varlen_attn(*args, **kwargs)
 
 
 def _refuse(module, query, key, value, attention_mask, dropout, s_aux) -> None:
@@ -113,7 +149,7 @@ def _refuse(module, query, key, value, attention_mask, dropout, s_aux) -> None:
 def _half(query, key, value):
     """fp16/bf16 as they come; float32 under autocast goes to the autocast dtype (as transformers'
     flash-attn integration does); float32 otherwise is an error naming what to do."""
-    if query.dtype in _DTYPES and key.dtype == query.dtype and value.dtype == query.dtype:
+    if query.dtype in _backend.dtypes and key.dtype == query.dtype and value.dtype == query.dtype:
         return query, key, value
     device = query.device.type
     if query.dtype == torch.float32 and torch.is_autocast_enabled(device):

@@ -44,8 +44,8 @@ SECRET_KNOBS = ("JITATTN_REMOTE_CACHE_KEY",)
 
 
 # Knobs read on every API call (debug, wgmma) look in CPython's dict behind os.environ, which
-# every os.environ write (and so monkeypatch.setenv) keeps current: os.environ.get costs ~0.7 us
-# for an unset variable (a KeyError raised and caught inside Mapping.get), the dict ~0.05 us.
+# every os.environ write (and so monkeypatch.setenv) keeps current: os.environ.get raises and
+# catches a KeyError inside Mapping.get for an unset variable. Why: notes/host-time.md, "jit/env.py".
 _ENVIRON_DATA = getattr(os.environ, "_data", None)
 _ENCODED: dict[str, object] = {}  # knob name -> its key in _ENVIRON_DATA
 _FALSE = ("", "0", "false", "no", "off")
@@ -114,7 +114,7 @@ def _platform_cache_dir() -> Path | None:
     current directory was. With HOME unset and a passwd home that does not exist (`nobody`:
     /nonexistent) the derived path cannot be created by a user and would be created from
     nothing by root. Those cases fall back to a per-user temp dir instead."""
-    import platformdirs  # only here: costs ~6 ms to import
+    import platformdirs  # only here: a slow import (notes/host-time.md, "jit/env.py")
 
     try:
         path = platformdirs.user_cache_dir("jitattn")
@@ -172,6 +172,13 @@ def _fallback_cache_dir() -> Path:
 
 
 _missing_seeds_warned: set[str] = set()
+
+
+def forget_warnings() -> None:
+    """Warn again, once each, about a fallback cache dir or a missing seed dir, as a fresh process
+    would (tests of those warnings)."""
+    _fallback_warned.clear()
+    _missing_seeds_warned.clear()
 
 
 def seed_dirs() -> list[Path]:

@@ -9,10 +9,12 @@ on) lock the key, look again, build in staging, publish, load. The tiers are `ji
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from jitattn.errors import CacheNotWritable, MissingSpecializationError, ToolchainError
@@ -55,6 +57,29 @@ def get_module(spec: KernelSpec) -> LoadedModule:
             module = _modules.get(spec) or _first_use(spec)
             _modules[spec] = module
     return module
+
+
+@contextlib.contextmanager
+def forget_loaded(namespaces: bool = False) -> Iterator[None]:
+    """Within the block this process has loaded no module: `get_module` looks each spec up again
+    (recorder, tiers, `load_entry`), for tests and tools that rebuild or stand in for the loader.
+    `namespaces` also forgets which op namespaces were registered: only where no real library
+    loads inside the block (torch aborts on a second registration). After it, what was loaded is
+    remembered again."""
+    with _process_lock:
+        saved = dict(_modules), dict(_loaded_namespaces)
+        _modules.clear()
+        if namespaces:
+            _loaded_namespaces.clear()
+    try:
+        yield
+    finally:
+        with _process_lock:
+            _modules.clear()
+            _modules.update(saved[0])
+            if namespaces:
+                _loaded_namespaces.clear()
+                _loaded_namespaces.update(saved[1])
 
 
 def layers() -> list[Path]:
@@ -100,7 +125,7 @@ def _first_use(spec: KernelSpec) -> LoadedModule:
     record_spec(spec)
     want = wanted(spec)
     entry = tiers.find_local(want, tiers.from_env())
-    return _load(spec, entry) if entry is not None else build_and_load(spec)
+    return load_entry(spec, entry) if entry is not None else build_and_load(spec)
 
 
 def build_and_load(spec: KernelSpec, force: bool = False) -> LoadedModule:
@@ -118,7 +143,7 @@ def build_and_load(spec: KernelSpec, force: bool = False) -> LoadedModule:
         entry, _ = tiers.find_remote(want, chain, notes)
         if entry is not None:
             PULL_COUNT += 1
-            return _load(spec, entry)
+            return load_entry(spec, entry)
     if want.key is None:
         raise _cannot_build(spec, want, chain, notes)
     home = tiers.writable(chain)
@@ -126,12 +151,12 @@ def build_and_load(spec: KernelSpec, force: bool = False) -> LoadedModule:
     with key_lock(home.root / cache.LOCKS, want.key, spec.name, env.lock_timeout()):
         entry = None if force else home.find(want)  # another process may have built it meanwhile
         if entry is not None:
-            return _load(spec, entry)
+            return load_entry(spec, entry)
         # One build per fleet: a tier may hand over what another node built while this one waited.
         with tiers.build_turns(chain, want, force) as (handed, by):
             if handed is not None:
                 PULL_COUNT += 1 if by.remote else 0
-                return _load(spec, handed)
+                return load_entry(spec, handed)
             entry = _build(spec, want, home, force)
             for tier in chain:
                 if tier is not home:
@@ -258,7 +283,9 @@ def _ensure_writable(root: Path) -> None:
         ) from None
 
 
-def _load(spec: KernelSpec, entry: cache.CacheEntry) -> LoadedModule:
+def load_entry(spec: KernelSpec, entry: cache.CacheEntry) -> LoadedModule:
+    """Load a verified cache entry's library into this process and register its ops: the one
+    place a cached .so enters the process (tests stand in for it to load nothing)."""
     import torch
 
     namespace = entry.manifest["op_namespace"]

@@ -20,7 +20,7 @@ log = logging.getLogger("jitattn")
 
 @contextlib.contextmanager
 def key_lock(lock_dir: Path, key: str, what: str, timeout: float):
-    import filelock  # only on the cold path: ~40 ms to import
+    import filelock  # only on the cold path: a slow import (notes/host-time.md, "jit/lock.py")
 
     path = lock_dir / f"{key[:32]}.lock"
     owner = path.with_suffix(".owner")

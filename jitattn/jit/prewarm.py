@@ -36,7 +36,9 @@ def default_jobs() -> int:
     return max(1, min(cores, by_memory))
 
 
-def _build_one(spec: KernelSpec, force: bool) -> Outcome:
+def build_one(spec: KernelSpec, force: bool) -> Outcome:
+    """Build (or find) one spec in this process and say how it went: a prewarm worker's whole job,
+    never raising for the spec's own failure."""
     from jitattn.jit import loader
 
     start, pulls = time.perf_counter(), loader.PULL_COUNT
@@ -85,7 +87,7 @@ def _build_all(specs: list[KernelSpec], jobs: int, force: bool, on_done, on_star
         for spec in specs:
             if on_start:
                 on_start(spec)
-            outcomes.append(_build_one(spec, force))
+            outcomes.append(build_one(spec, force))
             if on_done:
                 on_done(outcomes[-1])
         return outcomes
@@ -102,7 +104,7 @@ def _build_all(specs: list[KernelSpec], jobs: int, force: bool, on_done, on_star
                 spec = queue.pop(0)
                 if on_start:
                     on_start(spec)
-                pending[pool.submit(_build_one, spec, force)] = spec
+                pending[pool.submit(build_one, spec, force)] = spec
             done, _ = futures.wait(pending, return_when=futures.FIRST_COMPLETED)
             for future in done:
                 spec = pending.pop(future)

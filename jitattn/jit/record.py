@@ -28,3 +28,9 @@ def record_spec(spec: KernelSpec) -> None:
         logging.getLogger("jitattn").warning("JITATTN_RECORD: cannot append to %s: %s", path, exc)
         return
     _recorded.add(spec)
+
+
+def reset() -> None:
+    """Forget which specs this process recorded, so the next use of each is appended again (tests,
+    and tools that point JITATTN_RECORD at a new file)."""
+    _recorded.clear()

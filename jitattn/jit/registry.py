@@ -7,7 +7,9 @@ modules stay light (no torch), so the command line and manifests pay little for 
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from jitattn.jit.spec import KernelSpec, check_fields, show
@@ -27,6 +29,21 @@ def register(cls: type[KernelSpec]) -> type[KernelSpec]:
         raise TypeError(f"kernel family {cls.family!r} is registered twice: {known.__qualname__} and {cls.__qualname__}")
     _families[cls.family] = cls
     return cls
+
+
+@contextlib.contextmanager
+def registered(cls: type[KernelSpec]) -> Iterator[type[KernelSpec]]:
+    """Within the block `cls` is a registered family; after it, the registry is as it was (a test's
+    or a tool's family that must not outlive it)."""
+    previous = _families.get(cls.family)
+    register(cls)
+    try:
+        yield cls
+    finally:
+        if previous is None:
+            _families.pop(cls.family, None)
+        else:
+            _families[cls.family] = previous
 
 
 def _discover() -> None:

@@ -18,7 +18,7 @@ from jitattn.errors import ToolchainError
 from jitattn.jit import cache, env
 
 
-class Toolchain(NamedTuple):  # (a NamedTuple: a frozen dataclass cost the first call ~1 ms to create)
+class Toolchain(NamedTuple):  # not a frozen dataclass, slower to create (notes/host-time.md, "jit/toolchain.py")
     cuda_home: Path
     nvcc: Path
     host_cxx: Path
@@ -158,7 +158,10 @@ def parse_arch_list(raw: str) -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _visible_gpu_archs() -> tuple[str, ...]:
+def visible_gpu_archs() -> tuple[str, ...]:
+    """The archs of this process's visible GPUs, sorted ('9.0',); () without one. What
+    `target_archs` builds for when no arch list is set; asked once per process (patch this
+    function to stand in for a GPU)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -176,7 +179,7 @@ def target_archs() -> tuple[tuple[str, ...], str]:
             return parse_arch_list(raw), name
         except ValueError as exc:
             raise ToolchainError(f"{name}: {exc}") from None
-    archs = _visible_gpu_archs()
+    archs = visible_gpu_archs()
     if archs:
         return archs, "visible GPUs"
     raise ToolchainError(

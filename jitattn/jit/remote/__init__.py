@@ -82,6 +82,14 @@ def tier() -> "FleetTier | None":
     return found
 
 
+def forget_tiers() -> None:
+    """Drop the fleet tiers this process opened (their connections and what they learnt of the
+    server), so the next call connects afresh, as a new process would (tests, tools that restart
+    a server)."""
+    with _tiers_lock:
+        _tiers.clear()
+
+
 class FleetTier(Tier):
     """The fleet as a cache tier (jit.tiers): `find` pulls, `publish` shares, `build_turn` waits
     for the one builder of a key fleet-wide. Every failure of the server or of what it sent
