@@ -9,7 +9,7 @@ __device__ __forceinline__ int load_acquire(const int* address) {
 
 // One thread waits; the CTA barrier then holds every thread until the turn has come. A wait
 // that cannot end (the lower tile never runs: only with malformed metadata) gives up after
-// a few seconds (2^22 sleeps of about 1 us) instead of hanging the GPU.
+// 2^22 nanosleeps (seconds, not forever) instead of hanging the GPU.
 // `sync`: the barrier of the threads that add (default: the CTA's; thread 0 among them).
 template <typename Sync>
 __device__ __forceinline__ void wait_turn(const int* sem, int turn, Sync sync) {

@@ -29,7 +29,7 @@ from jitattn.errors import RemoteCacheError
 from jitattn.jit import cache, env, keys, signing
 from jitattn.jit.remote import envelope
 from jitattn.jit.remote.store import Oversized, RedisStore, RemoteFault
-from jitattn.jit.tiers import Tier, Turn, Wanted
+from jitattn.jit.tier import Tier, Turn, Wanted
 
 log = logging.getLogger("jitattn")
 
