@@ -382,21 +382,25 @@ def test_unwritable_cache_root_raises_cache_not_writable(cache_root, monkeypatch
         cache_root.chmod(0o700)
 
 
-def test_a_write_probe_cut_off_before_its_unlink_is_staging_litter(tmp_path, monkeypatch):
+def test_a_write_probe_cut_off_before_its_unlink_is_staging_litter(tmp_path):
     """A process killed between the writability probe's write and its unlink (CI saw one) leaves
-    its probe under staging/, where `cache prune` removes it; the root holds no stray file."""
+    its probe under staging/, where `cache prune` removes it once that process is gone; the root
+    holds no stray file."""
     root = tmp_path / "cache"
-    real_unlink = Path.unlink
-
-    def killed_at_probe(self, *args, **kwargs):
-        if ".write-probe" in self.name:
-            raise SystemExit("killed")
-        return real_unlink(self, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "unlink", killed_at_probe)
-    with pytest.raises(SystemExit):
-        loader._ensure_writable(root)
-    monkeypatch.setattr(Path, "unlink", real_unlink)
+    killed_at_probe = (
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        "from jitattn.jit import loader\n"
+        "real_unlink = Path.unlink\n"
+        "def unlink(self, *args, **kwargs):\n"
+        "    if '.write-probe' in self.name:\n"
+        "        os._exit(3)  # killed between the probe's write and its unlink\n"
+        "    return real_unlink(self, *args, **kwargs)\n"
+        "Path.unlink = unlink\n"
+        "loader._ensure_writable(Path(sys.argv[1]))\n")
+    done = subprocess.run([sys.executable, "-c", killed_at_probe, str(root)],
+                          cwd=str(Path(__file__).resolve().parent.parent))
+    assert done.returncode == 3
     assert [p.name for p in root.iterdir()] == [cache.STAGING]
     litter = list((root / cache.STAGING).iterdir())
     assert len(litter) == 1 and litter[0].name.startswith(".write-probe")

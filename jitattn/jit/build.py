@@ -91,34 +91,41 @@ def _import_cpp_extension():
 
 
 def _compile_error(exc: Exception, staging: Path, spec_name: str, log_dir: Path) -> JitCompileError:
-    """The JitCompileError for a failed build, its first error line found before anything is
-    written: keeping the log (and the sources beside it) is best effort, so a full disk or a
-    read-only root never hides the compiler's error behind an OSError."""
+    """The JitCompileError for a failed build. Its first error line points at the kept copies of
+    the sources (the staging dir is about to be removed); keeping them and the log is best effort,
+    so a full disk or a read-only root never hides the compiler's error behind an OSError."""
     text = str(exc)
     output = getattr(exc, "output", None)
     if isinstance(output, bytes):
         text += "\n" + output.decode(errors="replace")
-    match = _ERROR_LINE.search(text) or _ANY_ERROR.search(text)
-    first = match.group(0).strip() if match else text.strip().splitlines()[0] if text.strip() else "unknown error"
     try:
-        log_path = _keep_log(text, staging, spec_name, log_dir)
+        log_path = cache.log_path(log_dir, spec_name, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        kept = _point_at_kept_sources(text, staging, log_path)
+        _keep_log(kept, staging, log_path)
     except (OSError, ValueError) as keep_exc:
         reason = keep_exc.strerror if isinstance(keep_exc, OSError) and keep_exc.strerror else keep_exc
-        return JitCompileError(spec_name, first, f"(not kept: writing it under {log_dir} failed: {reason}; "
-                                                 f"the compiler's output follows)\n{text[-4000:]}")
-    return JitCompileError(spec_name, first, str(log_path))
+        return JitCompileError(spec_name, _first_error(text), f"(not kept: writing it under {log_dir} failed: "
+                                                              f"{reason}; the compiler's output follows)\n{text[-4000:]}")
+    return JitCompileError(spec_name, _first_error(kept), str(log_path))
 
 
-def _keep_log(text: str, staging: Path, spec_name: str, log_dir: Path) -> Path:
-    """Write the compiler output to <root>/logs/<spec>-<time>-<pid>.log with the generated
-    sources beside it (the staging dir is about to be removed); returns the log's path."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = cache.log_path(log_dir, spec_name, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-    for source in staging.glob("*.c*"):
-        if source.name not in ("main.cpp", "cuda.cu"):
-            shutil.copy(source, log_path.with_suffix(f".{source.name}"))
-    # Point error lines at the kept copies.
+def _first_error(text: str) -> str:
+    match = _ERROR_LINE.search(text) or _ANY_ERROR.search(text)
+    return match.group(0).strip() if match else text.strip().splitlines()[0] if text.strip() else "unknown error"
+
+
+def _point_at_kept_sources(text: str, staging: Path, log_path: Path) -> str:
+    """The compiler output with its paths into staging/ turned into those of the kept copies."""
     for built_name, kept_name in (("cuda.cu", "kernels.cu"), ("main.cpp", "binding.cpp")):
         text = text.replace(str(staging / built_name), str(log_path.with_suffix(f".{kept_name}")))
+    return text
+
+
+def _keep_log(text: str, staging: Path, log_path: Path) -> None:
+    """Write the compiler output to <root>/logs/<spec>-<time>-<pid>.log with the generated
+    sources beside it."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    for source in staging.glob("*.c*"):  # the rendered sources (kernels.cu, binding.cpp), not load_inline's copies
+        if source.name not in ("main.cpp", "cuda.cu"):
+            shutil.copy(source, log_path.with_suffix(f".{source.name}"))
     log_path.write_text(text)
-    return log_path
