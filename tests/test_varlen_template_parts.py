@@ -40,8 +40,7 @@ def test_no_template_file_is_over_the_line_budget():
     root = render.templates_dir()
     sizes = {str(p.relative_to(root)): len(p.read_text().splitlines())
              for p in root.rglob("*") if p.is_file() and p.suffix in {".j2", ".cuh", ".h"}}
-    # decode/kernels.cu.j2 may stay as it is (issue 44: "Decode may stay as it is").
-    over = {name: n for name, n in sizes.items() if n > MAX_TEMPLATE_LINES and not name.startswith("decode/")}
+    over = {name: n for name, n in sizes.items() if n > MAX_TEMPLATE_LINES}
     assert not over
 
 
