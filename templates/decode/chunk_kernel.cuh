@@ -37,8 +37,8 @@ __global__ void __launch_bounds__(THREADS, 1) decode_chunk(const DecodeParams p)
   // first `depth` of them holding tiles. The loops wait with depth - 1 groups pending, so with a
   // short chunk's shallow prefetch tile 0 waits for all `depth` of the first tiles (the empty
   // groups are the newest), and every later tile for itself. Committing only `depth` groups, so
-  // that tile 0 waits for itself alone, measured no faster (H200, same run, two rounds, us:
-  // 32/8 4k 11.1 / 11.1 -> 11.1 / 11.2, 2k 9.2 / 9.2 -> 9.6 / 9.5, fp8 4k 10.7 / 10.5 -> 10.3 / 10.5).
+  // that tile 0 waits for itself alone, measured no faster (notes/decode-h200.md, "PIPELINED_LOGITS
+  // and the prefetch commit").
   const int depth = prefetch_depth(num_tiles);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {

@@ -30,11 +30,8 @@ constexpr int WARP_ROWS = 8 * KEY_BLOCKS;
 // RoPE with two key blocks can compute tile t + 1's logits beside tile t's softmax and P V: two
 // independent chains per warp for a loop that is latency-bound at 8 warps per SM, for one tile
 // less of prefetch. That pays once a chunk is long enough for the steady state to dominate, and
-// costs shorter chunks, so the kernel switches per chunk at PIPELINE_MIN_TILES tiles. H200, same
-// run, us, by tiles per chunk: RoPE 32/32 at 24k (48) 101.1 -> 99.3, 32k (64) 130.5 -> 127.5,
-// 128k (256) 484 -> 471; 32/8 at 128k (62) unchanged. Pipelined at every length it had cost
-// 32/32 at 4k (8 tiles) 25.7 -> 26.8 and 32/8 at 32k (16) 41.7 -> 42.6; fp8 without RoPE lost
-// 1-2% at 62 tiles.
+// costs shorter chunks, so the kernel switches per chunk at PIPELINE_MIN_TILES tiles
+// (why: notes/decode-h200.md, "PIPELINED_LOGITS and the prefetch commit").
 constexpr bool PIPELINED_LOGITS = ROPE && KEY_BLOCKS == 2;
 constexpr int PIPELINE_MIN_TILES = 48;
 constexpr int TILE = WARP_ROWS * WARPS;                  // rows per stage
