@@ -202,10 +202,10 @@ def _specs_of_json(raw: str) -> list[KernelSpec]:
     """The specs of one `--spec` JSON object (lists expand as in manifests)."""
     try:
         data = bounded_json.loads(raw, max_bytes=1 << 20, what="--spec")
+    except bounded_json.JSONBoundError as exc:  # nested or sized past what a spec needs
+        raise ValueError(f"--spec JSON is nested too deeply or too large ({exc}): {raw:.80}") from None
     except ValueError as exc:
         raise ValueError(f"--spec is not valid JSON ({exc}): {raw:.200}") from None
-    except RecursionError:
-        raise ValueError(f"--spec JSON is nested too deeply: {raw:.80}") from None
     try:
         return [spec_from_dict(d) for d in expand(data)]
     except (TypeError, ValueError) as exc:
