@@ -111,7 +111,7 @@ def throughput(case: Case, us: float) -> float:
 def make_record(case: Case, impl: str, value: float, gpu: str, torch_version: str, date: str) -> dict:
     """One JSON record (RECORD_KEYS); value in UNITS[case.area]."""
     return {"area": case.area, "head_dim": case.head_dim, "causal": case.causal, "seqlen": case.seqlen,
-            "impl": impl, "value": float(f"{value:.4g}"), "unit": UNITS[case.area], "gpu": gpu,
+            "impl": impl, "value": float(f"{value:.6g}"), "unit": UNITS[case.area], "gpu": gpu,
             "torch": torch_version, "date": date}
 
 
