@@ -49,44 +49,26 @@ class VarlenArgs(NamedTuple):
     softcap: float  # 0.0: no soft cap
 
 
-class VarlenCall(NamedTuple):
+# The call's inputs as given; VarlenCall adds VarlenArgs' fields after them, in VarlenArgs' order.
+_CALL_INPUTS = [("query", "torch.Tensor"), ("key", "torch.Tensor"), ("value", "torch.Tensor"),
+                ("cu_seq_q", "torch.Tensor"), ("cu_seq_k", "torch.Tensor | None"), ("max_q", "int"),
+                ("max_k", "int"), ("seqused_k", "torch.Tensor | None"), ("block_table", "torch.Tensor | None"),
+                ("out", "torch.Tensor | None")]
+_INPUTS = len(_CALL_INPUTS)
+
+
+class VarlenCall(NamedTuple("VarlenCallFields", _CALL_INPUTS + list(VarlenArgs.__annotations__.items()))):
     """A checked varlen_attn call: its tensors and sizes as given, then what the checks derived
     (VarlenArgs' fields, in its order). Built once where a call enters (the API, the ops) by
     `varlen_call`, read by the forward's planning and launch, so nothing below spells the
     argument list again."""
 
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    cu_seq_q: torch.Tensor
-    cu_seq_k: torch.Tensor | None
-    max_q: int
-    max_k: int
-    seqused_k: torch.Tensor | None
-    block_table: torch.Tensor | None
-    out: torch.Tensor | None
-    num_seqs: int
-    total_q: int
-    num_heads_q: int
-    num_heads_kv: int
-    head_dim: int
-    scale: float
-    window_left: int
-    window_right: int
-    paged: bool
-    page_size: int
-    num_splits: int | None
-    return_lse: bool
-    device: torch.device
-    softcap: float
+    __slots__ = ()
 
     @property
     def args(self) -> VarlenArgs:
         """What the checks derived, on its own."""
         return _tuple_new(VarlenArgs, self[_INPUTS:])
-
-
-_INPUTS = 10  # VarlenCall's fields before VarlenArgs' own
 
 
 # A VarlenCall is made on every call: tuple.__new__ directly, as a NamedTuple's own __new__ is a
