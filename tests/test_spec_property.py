@@ -46,9 +46,16 @@ SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[Heal
 def assert_valid(spec: KernelSpec) -> None:
     assert SAFE_NAME.fullmatch(spec.name), spec.name
     known = {value for values in type(spec).choices.values() for value in values}
-    for name, value in spec.params().items():
+    params = spec.params()
+    for name, value in params.items():
         assert type(value) in (int, bool, str), (name, value)
-        if type(value) is str:
+        if type(value) is str and name in type(spec).parsers:
+            assert value == "" or type(spec).parsers[name](value) is not None, (name, value)
+        elif type(value) is str and name.endswith("_mod_source"):
+            # C++ only from jitattn's renderer, of the field's validated tree
+            field = params[name[: -len("_source")]]
+            assert (value == "") == (field == ""), (name, value)
+        elif type(value) is str:
             assert value in known, (name, value)
     assert registry.spec_from_dict(spec.to_dict()) == spec
 

@@ -215,8 +215,11 @@ def standin_forward(call):
 
 
 def standin_backward(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k=None, *,
-                     scale=None, window_size=(-1, -1), max_q=None, max_k=None, deterministic=None, softcap=None):
-    """jitattn.varlen.backward_launch.backward's contract, computed by the oracle (any device)."""
+                     scale=None, window_size=(-1, -1), max_q=None, max_k=None, deterministic=None, softcap=None,
+                     score_mod=None, mask_mod=None):
+    """jitattn.varlen.backward_launch.backward's contract, computed by the oracle (any device); the
+    oracle takes no variants, so the calls here have none."""
+    assert score_mod is None and mask_mod is None
     standin_backward.calls.append({"max_q": max_q, "max_k": max_k, **({"softcap": softcap} if softcap else {})})
     return varlen_attn_backward(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k,
                                 scale=scale, window_size=window_size, softcap=softcap)

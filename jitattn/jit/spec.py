@@ -62,6 +62,26 @@ def check_field(family: str, name: str, value, kind: type, accepted=None, rule: 
     return value
 
 
+class _Parsed:
+    """A str field whose value is structured data in a canonical text form (a traced variant's
+    expression tree), checked by the family's parser instead of a list of choices: the parser
+    bounds and validates it, raising ValueError naming what is wrong. The empty string is the
+    field's "none"."""
+
+    def __init__(self, parse):
+        self.parse = parse
+
+    def check(self, family: str, name: str, value) -> None:
+        if type(value) is not str:
+            raise TypeError(f"{family} spec field {name} must be a string (a variant's canonical text, or '' for "
+                            f"none), got {show(value)} ({type(value).__name__})")
+        if value:
+            try:
+                self.parse(value)
+            except ValueError as exc:
+                raise ValueError(f"{family} spec field {name}: {exc}") from exc
+
+
 _plans: dict[type, tuple] = {}
 
 
@@ -74,7 +94,10 @@ def _field_plan(cls: type) -> tuple:
             kind = _FIELD_TYPES.get(f.type if isinstance(f.type, str) else getattr(f.type, "__name__", ""))
             if kind is None:
                 raise TypeError(f"{cls.__name__}.{f.name}: spec fields are int, bool or str, not {f.type}")
-            accepted = cls.ranges.get(f.name) if kind is int else cls.choices.get(f.name) if kind is str else ()
+            if kind is str and f.name in cls.parsers:
+                kind = _Parsed(cls.parsers[f.name])
+            accepted = (cls.ranges.get(f.name) if kind is int else cls.choices.get(f.name) if kind is str
+                        else () if kind is bool else kind.parse)
             if accepted is None:
                 raise TypeError(f"{cls.family} spec field {f.name} declares no accepted values (ranges / choices)")
             rows.append((f.name, kind, accepted, cls.rules.get(f.name)))
@@ -104,6 +127,8 @@ class KernelSpec:
     choices: ClassVar[dict[str, tuple[str, ...]]] = {}
     ranges: ClassVar[dict[str, tuple[int, int]]] = {}
     rules: ClassVar[dict[str, str]] = {}  # an int field's rule in words, where it is more than its range
+    # str fields holding structured data (a variant's tree) -> the parser that validates their text
+    parsers: ClassVar[dict[str, object]] = {}
     # The oldest arch the family's kernels build for, and why (cp.async and mma.sync need sm_80).
     min_arch: ClassVar[tuple[int, int]] = (8, 0)
     min_arch_reason: ClassVar[str] = "its kernels use cp.async and bf16 mma.sync, which need sm_80 or newer"
@@ -118,6 +143,9 @@ class KernelSpec:
         rendered into C++ and its name into paths, so nothing unchecked may get that far."""
         for name, kind, accepted, rule in _field_plan(type(self)):
             value = getattr(self, name)
+            if isinstance(kind, _Parsed):
+                kind.check(self.family, name, value)
+                continue
             if type(value) is kind and (kind is bool or (accepted[0] <= value <= accepted[1] if kind is int
                                                          else value in accepted)):
                 continue  # the common case, checked inline: specs are made on every cold call

@@ -47,6 +47,18 @@ def _needs_the_op() -> bool:
             or torch._C._are_functorch_transforms_active())
 
 
+def _variant_op_args(score_mod, mask_mod) -> tuple:
+    """The ops' trailing variant arguments (jitattn/varlen/variant_args.py): none without variants;
+    under torch.compile the tracing runs outside the graph."""
+    if score_mod is None and mask_mod is None:
+        return ()
+    from jitattn.varlen import variant_args
+
+    if torch.compiler.is_compiling():
+        return variant_args.op_arguments_outside_trace(score_mod, mask_mod)
+    return variant_args.op_arguments(score_mod, mask_mod)
+
+
 def varlen_attn(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -64,6 +76,8 @@ def varlen_attn(
     block_table: torch.Tensor | None = None,
     num_splits: int | None = None,
     softcap: float | None = None,
+    score_mod=None,
+    mask_mod=None,
 ):
     """Attention over packed variable-length sequences.
 
@@ -77,6 +91,13 @@ def varlen_attn(
     differentiable), through lse too; seqused_k with grad is a superset as well.
     softcap (beyond torch's API, FlashAttention's name and meaning): logits become
     softcap * tanh(scale * q.k / softcap) (Gemma-2's attn_logit_softcapping); None or 0: none.
+    score_mod(score, b, h, q_idx, kv_idx) -> score and mask_mod(b, h, q_idx, kv_idx) -> bool
+    (beyond torch's API, FlexAttention's signatures: docs/variants.md): b the sequence's index,
+    h the query head, kv_idx the key's position in its sequence, q_idx the query's, aligned
+    bottom-right like the windows (row + k_len - q_len); score is scale * q.k. Traced once into
+    an expression tree that jitattn compiles into the forward and backward kernels; tensors they
+    read are kernel arguments (new values never recompile). Windows, GQA, seqused_k, lse and
+    num_splits compose with them; softcap and score_mod do not (write the cap in the score_mod).
     """
     want_lse = return_aux is not None and getattr(return_aux, "lse", False) is True
     grad = needs_grad(query, key, value)
@@ -89,7 +110,8 @@ def varlen_attn(
         check_differentiable(block_table)
         call = varlen_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
                            window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
-                           num_splits=num_splits, return_aux=AuxRequest(lse=True), softcap=softcap)
+                           num_splits=num_splits, return_aux=AuxRequest(lse=True), softcap=softcap,
+                           score_mod=score_mod, mask_mod=mask_mod)
         out, lse = EagerVarlenAttn.apply(forward, call, list(window_size), query, key, value)
     elif grad or through_op:
         # The op carries the autograd formula, which needs the lse: asked for whenever grad is.
@@ -100,12 +122,12 @@ def varlen_attn(
             check_differentiable(block_table)
         out, lse = torch.ops.jitattn.varlen_attn(
             query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, list(window_size), enable_gqa,
-            seqused_k, block_table, num_splits, want_lse or grad, softcap)
+            seqused_k, block_table, num_splits, want_lse or grad, softcap, *_variant_op_args(score_mod, mask_mod))
     else:
         out, lse = forward(varlen_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
                                        window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
                                        block_table=block_table, num_splits=num_splits, return_aux=return_aux,
-                                       softcap=softcap))
+                                       softcap=softcap, score_mod=score_mod, mask_mod=mask_mod))
     return (out, lse) if want_lse else out
 
 
@@ -127,12 +149,14 @@ def varlen_attn_out(
     block_table: torch.Tensor | None = None,
     num_splits: int | None = None,
     softcap: float | None = None,
+    score_mod=None,
+    mask_mod=None,
 ):
     """varlen_attn writing into `out` (T_q, H_q, D), query's dtype and device; returns `out`, or
     (out, lse) with return_aux=AuxRequest(lse=True). Rows of `out` outside every sequence are
     left as they were. Not differentiable (as torch's): inputs that require grad are read as
     constants, and autograd records nothing (use varlen_attn for a backward pass). softcap as
-    for varlen_attn."""
+    for varlen_attn, and score_mod / mask_mod."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor of query's shape (T_q, H_q, D), got {type(out).__name__}")
     want_lse = return_aux is not None and getattr(return_aux, "lse", False) is True
@@ -141,7 +165,7 @@ def varlen_attn_out(
         ops_registered()
         lse = torch.ops.jitattn.varlen_attn_out(
             out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, list(window_size), enable_gqa,
-            seqused_k, block_table, num_splits, want_lse, softcap)
+            seqused_k, block_table, num_splits, want_lse, softcap, *_variant_op_args(score_mod, mask_mod))
     else:
         # no_grad: the kernel's writes are no autograd op anyway; the copy into an `out` the
         # kernel cannot write in place (and a leaf `out` that requires grad) must not be one either.
@@ -149,5 +173,6 @@ def varlen_attn_out(
             out, lse = forward(varlen_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
                                            window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
                                            block_table=block_table, num_splits=num_splits, out=out,
-                                           return_aux=return_aux, softcap=softcap))
+                                           return_aux=return_aux, softcap=softcap, score_mod=score_mod,
+                                           mask_mod=mask_mod))
     return (out, lse) if want_lse else out

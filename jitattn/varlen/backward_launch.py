@@ -24,6 +24,7 @@ from jitattn.jit.loader import get_module
 from jitattn.kernel import call_memo
 from jitattn.varlen import overrides
 from jitattn.varlen.checks import AuxRequest, varlen_call
+from jitattn.varlen.forward import captures_of
 from jitattn.varlen.plan import is_hopper
 from jitattn.varlen.spec import VarlenBackwardSpec
 
@@ -52,12 +53,14 @@ def _writable(t: Tensor) -> bool:
 def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
              lse: Tensor | None, cu_seq_q: Tensor, cu_seq_k: Tensor, seqused_k: Tensor | None = None, *,
              scale: float | None = None, window_size=(-1, -1), max_q: int | None = None, max_k: int | None = None,
-             deterministic: bool | None = None, softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+             deterministic: bool | None = None, softcap: float | None = None, score_mod=None,
+             mask_mod=None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in the dtypes and shapes of query, key, value (dq with query's strides where
     it can). lse (H_q, T_q) as the forward returned it, or None / (0, T_q): recomputed by a
     forward. grad_lse None or (0, T_q): no lse gradient. max_q / max_k: the forward's; None
     sizes the grid by T_q / T_k (correct, but a larger grid). deterministic None: under
-    torch.use_deterministic_algorithms(True). softcap: the forward's (None or 0: none)."""
+    torch.use_deterministic_algorithms(True). softcap: the forward's (None or 0: none);
+    score_mod / mask_mod: the forward's traced variants (jitattn.variants.Variant) or None."""
     total_q, heads_q, head_dim = query.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     softcap = float(softcap or 0.0)
@@ -70,17 +73,20 @@ def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tens
         max_k = key.shape[0]
     if lse is None or lse.shape[0] != heads_q:
         lse = _forward_lse(query, key, value, cu_seq_q, cu_seq_k, seqused_k, max_q, max_k, scale, (left, right),
-                           softcap)
+                           softcap, score_mod, mask_mod)
     if grad_lse is not None and grad_lse.shape[0] != heads_q:
         grad_lse = None
     hopper = is_hopper(query.device)
     # for_call's arguments in its order (head_dim, dtype, soft cap, deterministic, sm_90,
     # JITATTN_WGMMA there), then the override state
+    # (and the variants' canonical texts)
+    variants = (score_mod.key_text if score_mod else "", mask_mod.key_text if mask_mod else "")
     facts = (head_dim, query.dtype, softcap > 0, bool(deterministic), hopper, hopper and env.wgmma_enabled(),
-             overrides.state())
+             overrides.state(), variants)
     entry = _kernels.get(facts)
     if entry is None:
-        spec = VarlenBackwardSpec.for_call(head_dim, check.DTYPE_NAMES[query.dtype], *facts[2:6])
+        spec = VarlenBackwardSpec.for_call(head_dim, check.DTYPE_NAMES[query.dtype], *facts[2:6],
+                                           score_mod=variants[0], mask_mod=variants[1])
         entry = _kernels[facts] = (get_module(spec).ops.run.default, spec)
     run, spec = entry
 
@@ -102,7 +108,7 @@ def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tens
         extra = (num_key_blocks(max_q * (heads_q // key.shape[1]), 128),) if spec.dq_kernel else ()
         run(grad_out, grad_lse, q, k, v, out, lse, cu_seq_q, cu_seq_k, seqused_k, targets[0], targets[1], targets[2],
             num_key_blocks(max_k, spec.block_n), left, right, scale, scale * LOG2E, softcap, bool(deterministic),
-            *extra)
+            *extra, *captures_of(score_mod, mask_mod))
     for result, target in zip((dq, dk, dv), targets):
         if target is not result:
             result.copy_(target)
@@ -110,7 +116,7 @@ def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tens
 
 
 def _forward_lse(query, key, value, cu_seq_q, cu_seq_k, seqused_k, max_q, max_k, scale, window,
-                 softcap=0.0) -> Tensor:
+                 softcap=0.0, score_mod=None, mask_mod=None) -> Tensor:
     """The lse of a forward called without it (a direct call of jitattn::varlen_attn with
     return_lse=False): computed again by the forward kernels."""
     import jitattn.varlen.forward as forward_module  # the module, so tests can stand in for its forward
@@ -118,5 +124,5 @@ def _forward_lse(query, key, value, cu_seq_q, cu_seq_k, seqused_k, max_q, max_k,
     _, lse = forward_module.forward(varlen_call(
         query.detach(), key.detach(), value.detach(), cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
         window_size=window, enable_gqa=query.shape[1] != key.shape[1], seqused_k=seqused_k, num_splits=1,
-        return_aux=AuxRequest(lse=True), softcap=softcap))
+        return_aux=AuxRequest(lse=True), softcap=softcap, score_mod=score_mod, mask_mod=mask_mod))
     return lse

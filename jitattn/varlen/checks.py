@@ -47,6 +47,8 @@ class VarlenArgs(NamedTuple):
     return_lse: bool
     device: torch.device
     softcap: float  # 0.0: no soft cap
+    score_mod: object = None  # a traced score_mod (jitattn.variants.Variant, with its captured tensors) or None
+    mask_mod: object = None   # a traced mask_mod, or None
 
 
 # The call's inputs as given; VarlenCall adds VarlenArgs' fields after them, in VarlenArgs' order.
@@ -114,6 +116,50 @@ def _softcap(value) -> float:
     return check.positive_float("softcap", value, 0.0)
 
 
+def _variant(name: str, value, trace):
+    """A score_mod / mask_mod argument as a traced Variant (jitattn/variants): None stays None; a
+    Variant (the ops rebuild one from its text) is taken as is; a callable is traced (cached per
+    function: jitattn/variants/trace.py), raising the tracer's error naming what it cannot take."""
+    if value is None:
+        return None
+    from jitattn.variants import Variant
+
+    if isinstance(value, Variant):
+        if value.kind != name:
+            raise TypeError(f"{name} must be a {name} function, got a traced {value.kind}")
+        return value
+    if not callable(value):
+        raise TypeError(f"{name} must be a function {_VARIANT_SIGNATURES[name]} or None, "
+                        f"got {type(value).__name__} {value!r}")
+    return trace(value)
+
+
+_VARIANT_SIGNATURES = {"score_mod": "(score, b, h, q_idx, kv_idx) -> score",
+                       "mask_mod": "(b, h, q_idx, kv_idx) -> bool"}
+
+
+def _variants(score_mod, mask_mod, softcap: float):
+    """The call's traced score_mod / mask_mod (either may be None), checked against what they do
+    not compose with."""
+    if score_mod is None and mask_mod is None:
+        return None, None
+    from jitattn.variants import trace_mask_mod, trace_score_mod
+
+    score_mod = _variant("score_mod", score_mod, trace_score_mod)
+    mask_mod = _variant("mask_mod", mask_mod, trace_mask_mod)
+    if score_mod is not None and softcap:
+        raise ValueError("softcap and score_mod both change the score: pass one (a score_mod writes the cap "
+                         "itself: cap * torch.tanh(score / cap))")
+    if torch.is_grad_enabled():
+        for variant in (score_mod, mask_mod):
+            for slot, t in enumerate(variant.tensors if variant is not None else ()):
+                if t.requires_grad:
+                    raise ValueError(f"{variant.kind} reads a tensor that requires grad (captured slot {slot}, shape "
+                                     f"{tuple(t.shape)}): gradients do not flow into captured tensors; pass it "
+                                     "detached (.detach()) or call under torch.no_grad()")
+    return score_mod, mask_mod
+
+
 def _window(value) -> tuple[int, int]:
     if not isinstance(value, (tuple, list)):
         raise TypeError(f"window_size must be a tuple of two ints (left, right), got {type(value).__name__} {value!r}")
@@ -124,12 +170,13 @@ def _window(value) -> tuple[int, int]:
 
 
 def check_varlen_args(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa,
-                      seqused_k, block_table, num_splits, out=None, return_aux=None, softcap=None) -> VarlenArgs:
+                      seqused_k, block_table, num_splits, out=None, return_aux=None, softcap=None, score_mod=None,
+                      mask_mod=None) -> VarlenArgs:
     """Raise TypeError/ValueError naming the first bad argument; return the derived VarlenArgs
     (varlen_call's checks)."""
     return varlen_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
                        enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=num_splits,
-                       out=out, return_aux=return_aux, softcap=softcap).args
+                       out=out, return_aux=return_aux, softcap=softcap, score_mod=score_mod, mask_mod=mask_mod).args
 
 
 def varlen_call(
@@ -150,6 +197,8 @@ def varlen_call(
     out=None,
     return_aux=None,
     softcap=None,
+    score_mod=None,
+    mask_mod=None,
 ) -> VarlenCall:
     """The checked call (varlen_attn's defaults): raise TypeError/ValueError naming the first
     bad argument.
@@ -241,6 +290,7 @@ def varlen_call(
     if num_splits is not None:
         num_splits = check.integer("num_splits", num_splits, 1)
     softcap = _softcap(softcap)
+    score_mod, mask_mod = _variants(score_mod, mask_mod, softcap)
 
     # -- out and return_aux
     if out is not None:
@@ -263,10 +313,14 @@ def varlen_call(
     # -- last: one CUDA device for every tensor (all of the above runs on CPU tensors)
     named = {"query": query, "key": key, "value": value, "cu_seq_q": cu_seq_q, "cu_seq_k": cu_seq_k,
              "seqused_k": seqused_k, "block_table": block_table, "out": out}
+    for variant in (score_mod, mask_mod):
+        if variant is not None:
+            for slot, t in enumerate(variant.tensors):
+                named[f"{variant.kind}'s captured tensor {slot}"] = t
     device = check.cuda_device({name: t for name, t in named.items() if t is not None})
     return _tuple_new(VarlenCall, (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table, out,
                                    num_seqs, total_q, num_heads_q, num_heads_kv, head_dim, scale, left, right,
-                                   paged, page_size, num_splits, return_lse, device, softcap))
+                                   paged, page_size, num_splits, return_lse, device, softcap, score_mod, mask_mod))
 
 
 def check_varlen_values(

@@ -20,6 +20,14 @@ LOG2E = 1.4426950408889634
 _kernels: dict[tuple, tuple[OpKernel, int, int]] = call_memo()
 
 
+def captures_of(score_mod, mask_mod) -> tuple:
+    """The captured tensors the kernels take after their fixed arguments: the score_mod's slots,
+    then the mask_mod's (hooks.cuh)."""
+    if score_mod is None and mask_mod is None:
+        return ()
+    return (score_mod.tensors if score_mod else ()) + (mask_mod.tensors if mask_mod else ())
+
+
 def forward(call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
     """Plan and launch a checked call. Returns (out, lse); lse is (0, T_q) unless the call asked for it."""
     args = call  # the checked sizes (VarlenArgs' fields) are the call's own
@@ -33,11 +41,15 @@ def forward(call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
     hopper = is_hopper(args.device)
     # for_call's arguments in its order (head_dim, dtype, paged, soft cap, few rows, one split,
     # sm_90, JITATTN_WGMMA there), then the override state
+    # (and the variants' canonical texts)
+    score_mod, mask_mod = call.score_mod, call.mask_mod
+    variants = (score_mod.key_text if score_mod else "", mask_mod.key_text if mask_mod else "")
     facts = (args.head_dim, query.dtype, args.paged, args.softcap > 0, max_q * group <= DECODE_ROWS,
-             args.num_splits == 1, hopper, hopper and env.wgmma_enabled(), overrides.state())
+             args.num_splits == 1, hopper, hopper and env.wgmma_enabled(), overrides.state(), variants)
     entry = _kernels.get(facts)
     if entry is None:
-        spec = VarlenSpec.for_call(facts[0], check.DTYPE_NAMES[query.dtype], *facts[2:8])
+        spec = VarlenSpec.for_call(facts[0], check.DTYPE_NAMES[query.dtype], *facts[2:8], score_mod=variants[0],
+                                   mask_mod=variants[1])
         entry = _kernels[facts] = (OpKernel(get_module(spec)), spec.block_m, spec.block_n)
     kernel, block_m, tile_n = entry
     m_blocks = -(-max_q * group // block_m)
@@ -68,7 +80,7 @@ def forward(call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
     bad_page = torch.zeros(3, dtype=torch.int32, device=args.device) if debug and args.paged else None
     result, lse = kernel.run(query, key, value, metadata[0], metadata[1], metadata[2], block_table, target,
                              bad_page, group, m_blocks, splits, min_tiles, args.window_left, args.window_right,
-                             args.scale * LOG2E, args.softcap, args.return_lse)
+                             args.scale * LOG2E, args.softcap, args.return_lse, *captures_of(score_mod, mask_mod))
     if out is not None and target is None:
         out.copy_(result)
         result = out

@@ -4,6 +4,8 @@ a call runs from the call's shape and device (prewarm lists what that rule can p
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -39,6 +41,61 @@ DQ_KERNEL_HEAD_DIMS: frozenset[int] = frozenset({256})
 # counter) outside deterministic mode, where it measured slower (why: notes/backward-h200.md,
 # "PERSISTENT_HEAD_DIMS").
 PERSISTENT_HEAD_DIMS: frozenset[int] = frozenset({128})
+
+
+@functools.lru_cache(maxsize=256)
+def _variant(text: str, kind: str):
+    """The Variant of a spec field's canonical text (jitattn/variants validates it: a ValueError
+    naming what is wrong), parsed once per text."""
+    from jitattn.variants import parse_tree
+
+    return parse_tree(text, kind)
+
+
+def _parse_score_mod(text: str):
+    return _variant(text, "score_mod")
+
+
+def _parse_mask_mod(text: str):
+    return _variant(text, "mask_mod")
+
+
+# The spec fields of a user's variant: a traced score_mod / mask_mod as its canonical text
+# (jitattn/variants), '' for none. Both families take them; the kernels' hooks render from them.
+VARIANT_PARSERS = {"score_mod": _parse_score_mod, "mask_mod": _parse_mask_mod}
+
+
+def _variant_params(spec) -> dict:
+    """The template parameters of a spec's variants (hooks.cuh): the C++ jitattn's renderer wrote
+    from each validated tree, and the captured tensors (the score_mod's slots first)."""
+    if not spec.score_mod and not spec.mask_mod:
+        return {"score_mod_source": "", "mask_mod_source": "", "score_mod_captures": 0, "num_captures": 0}
+    from jitattn.variants import render_mask_mod, render_score_mod
+
+    score = _variant(spec.score_mod, "score_mod") if spec.score_mod else None
+    mask = _variant(spec.mask_mod, "mask_mod") if spec.mask_mod else None
+    score_captures = len(score.captures) if score else 0
+    return {"score_mod_source": render_score_mod(score) if score else "",
+            "mask_mod_source": render_mask_mod(mask) if mask else "",
+            "score_mod_captures": score_captures,
+            "num_captures": score_captures + (len(mask.captures) if mask else 0)}
+
+
+def _variant_tag(spec) -> str:
+    """The spec name's part for its variants: a digest of each tree's canonical text."""
+    tag = ""
+    for prefix, text in (("sm", spec.score_mod), ("mm", spec.mask_mod)):
+        if text:
+            tag += f"_{prefix}{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+    return tag
+
+
+def _check_variants(spec) -> None:
+    """The soft cap is a score hook of its own: a spec takes it or a score_mod, not both (a
+    score_mod writes the cap itself: cap * tanh(score / cap))."""
+    if spec.soft_cap and spec.score_mod:
+        raise ValueError(f"{spec.family} spec: soft_cap=True and a score_mod both take the score hook; "
+                         "write the cap in the score_mod")
 
 
 def _archs_facts(archs: tuple[str, ...]) -> list[bool]:
@@ -108,15 +165,19 @@ class VarlenSpec(KernelSpec):
     tma: bool = False       # K/V tiles by TMA: wgmma with the producer, or decode tiles (calls: for_call)
     split_kv: bool = False  # wgmma with the producer: K and V on their own mbarriers (calls: for_call)
     persistent: bool = False  # prefill, producer, TMA, plain GEMM order: a CTA per SM walks many row blocks
+    score_mod: str = ""  # a user's score_mod: its traced tree's canonical text (jitattn/variants); '' none
+    mask_mod: str = ""   # a user's mask_mod, likewise
 
     # Field rules (KernelSpec.validate_fields); a tile field's 0 means the tuned default.
     choices: ClassVar[dict[str, tuple[str, ...]]] = {"dtype": ("float16", "bfloat16")}
+    parsers: ClassVar[dict[str, object]] = VARIANT_PARSERS
     ranges: ClassVar[dict[str, tuple[int, int]]] = {
         "head_dim": (32, 256), "warps_m": (0, 16), "m_tiles": (0, 8), "block_n": (0, 256), "stages": (0, 8)}
     rules: ClassVar[dict[str, str]] = {"head_dim": "a multiple of 16 in [32, 256]"}
 
     def __post_init__(self):
         self.validate_fields()
+        _check_variants(self)
         if self.head_dim % 16:
             raise ValueError(f"varlen spec field head_dim must be a multiple of 16 in [32, 256], got {self.head_dim}")
         if self.block_n % 16 or self.stages == 1:
@@ -252,7 +313,7 @@ class VarlenSpec(KernelSpec):
         # Decisions the templates read rather than re-derive: the producer warpgroup, and TMA
         # (which __post_init__ allows only with the producer or on a decode tile).
         return {**super().params(), "warps_n": self.warps_n, "has_producer": self.has_producer,
-                "uses_tma": self.tma and (self.has_producer or self.decode)}
+                "uses_tma": self.tma and (self.has_producer or self.decode), **_variant_params(self)}
 
     def to_dict(self) -> dict:
         return {"family": self.family, **super().params()}
@@ -264,7 +325,7 @@ class VarlenSpec(KernelSpec):
         tile += ("_splitkv" if self.split_kv else "") + ("_persistent" if self.persistent else "")
         return (f"varlen_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{'_paged' if self.paged else ''}"
                 f"_{'decode' if self.decode else 'prefill'}{'_wgmma' if self.wgmma else ''}"
-                f"{'_cap' if self.soft_cap else ''}_{tile}")
+                f"{'_cap' if self.soft_cap else ''}{_variant_tag(self)}_{tile}")
 
 
 # The register splits of the backward's producer variant: compute warpgroups' registers -> the
@@ -304,9 +365,12 @@ class VarlenBackwardSpec(KernelSpec):
     dq_kernel: bool = False  # dQ by its own query-major kernel, the main kernel dK / dV only
     consumer_regs: int = 0  # producer only: the compute warpgroups' registers (setmaxnreg); 0: the tuned split
     persistent: bool = False  # producer, head_dim <= 128: a CTA per SM walks many key tiles (not deterministic)
+    score_mod: str = ""  # the forward's score_mod (its tree's canonical text): dS takes its derivative
+    mask_mod: str = ""   # the forward's mask_mod
 
     # Field rules (KernelSpec.validate_fields); a tile field's 0 means the tuned default.
     choices: ClassVar[dict[str, tuple[str, ...]]] = {"dtype": ("float16", "bfloat16")}
+    parsers: ClassVar[dict[str, object]] = VARIANT_PARSERS
     ranges: ClassVar[dict[str, tuple[int, int]]] = {
         "head_dim": (32, 256), "block_n": (0, 256), "block_m": (0, 128), "warps_q": (0, 2), "consumer_regs": (0, 255)}
     rules: ClassVar[dict[str, str]] = {"head_dim": "a multiple of 16 in [32, 256]", "warps_q": "1 or 2 (0: the default)"}
@@ -344,6 +408,7 @@ class VarlenBackwardSpec(KernelSpec):
 
     def __post_init__(self):
         self.validate_fields()
+        _check_variants(self)
         if self.head_dim % 16 or not 32 <= self.head_dim <= 256:
             raise ValueError(f"varlen_backward head_dim must be a multiple of 16 in [32, 256], got {self.head_dim}")
         if self.dtype not in ("float16", "bfloat16"):
@@ -445,4 +510,10 @@ class VarlenBackwardSpec(KernelSpec):
         if self.producer and self.consumer_regs != 224:
             rung += f"_r{self.consumer_regs}"
         return (f"varlen_backward_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{rung}{'_cap' if self.soft_cap else ''}"
-                f"_n{self.block_n}m{self.block_m}q{self.warps_q}")
+                f"{_variant_tag(self)}_n{self.block_n}m{self.block_m}q{self.warps_q}")
+
+    def params(self) -> dict:
+        return {**super().params(), **_variant_params(self)}
+
+    def to_dict(self) -> dict:
+        return {"family": self.family, **super().params()}

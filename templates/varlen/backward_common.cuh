@@ -127,10 +127,11 @@ __device__ __forceinline__ void scored_probs_to_dscores(const BwdParams& p, cons
       const int kv = w.n0 + key0 + g + 8 * (e / 2);
       const TokenHead th = packed_row(m * BLOCK_M + q0 + 8 * t + 2 * c + (e & 1), p.pack, w.q_start, w.kv_head);
       const float raw = s[t][e];
-      const float score = score_mod.score(raw, w.seq, th.head, th.token - w.q_start, kv);
+      const int q_idx = variant_q_idx(w, th.token);
+      const float score = score_mod.score(raw, w.seq, th.head, q_idx, kv);
       s[t][e] = fast_exp2(fmaf(score, sl2, -((e & 1) ? l[t].y : l[t].x)));
       dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? d[t].y : d[t].x)) *
-                 score_mod.dscore(raw, score, w.seq, th.head, th.token - w.q_start, kv);
+                 score_mod.dscore(raw, score, w.seq, th.head, q_idx, kv);
     }
   }
 }
@@ -158,7 +159,7 @@ __device__ __forceinline__ void mask_hidden(const BwdParams& p, const Work& w, i
       bool hidden = d < lo[e / 2] || d > hi[e / 2];
       if constexpr (MaskMod::ACTIVE) {  // the mask hook (mask.cuh)
         const TokenHead th = packed_row(base + d, p.pack, w.q_start, w.kv_head);
-        hidden = hidden || !MaskMod{}.visible(w.seq, th.head, th.token - w.q_start, w.n0 + key0 + g + 8 * (e / 2));
+        hidden = hidden || !mask_mod_of(p).visible(w.seq, th.head, variant_q_idx(w, th.token), w.n0 + key0 + g + 8 * (e / 2));
       }
       if (hidden) pt[t][e] = ds[t][e] = 0.f;
     }

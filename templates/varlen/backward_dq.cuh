@@ -144,6 +144,15 @@ __device__ __forceinline__ bool dq_work(const BwdParams& p, int num_m_blocks, Dq
     w.n_begin = static_cast<int>(k_lo / DQ_KEYS);
     w.n_end = static_cast<int>((k_hi + DQ_KEYS - 1) / DQ_KEYS);
   }
+  if constexpr (MaskMod::ACTIVE) {  // the mask hook's empty key tiles at either end are never loaded
+    const MaskMod mask_mod = mask_mod_of(p);
+    auto empty = [&](int n) {
+      return mask_mod.classify(w.seq, w.kv_head, w.r_lo + off, w.r_hi + off, n * DQ_KEYS, n * DQ_KEYS + DQ_KEYS - 1) ==
+             TILE_EMPTY;
+    };
+    while (w.n_begin < w.n_end && empty(w.n_begin)) ++w.n_begin;
+    while (w.n_end > w.n_begin && empty(w.n_end - 1)) --w.n_end;
+  }
   return true;
 }
 
@@ -152,7 +161,8 @@ __device__ __forceinline__ bool dq_tile_masked(const BwdParams& p, const DqWork&
   const int n0 = n * DQ_KEYS, off = w.k_len - w.q_len;
   return n0 + DQ_KEYS > w.k_len || (p.window_left >= 0 && n0 < w.r_hi + off - p.window_left) ||
          (p.window_right >= 0 && n0 + DQ_KEYS - 1 > w.r_lo + off + p.window_right) ||
-         (MaskMod::ACTIVE && MaskMod{}.classify(w.seq, w.kv_head, w.r_lo, w.r_hi, n0, n0 + DQ_KEYS - 1) != TILE_FULL);
+         (MaskMod::ACTIVE && mask_mod_of(p).classify(w.seq, w.kv_head, w.r_lo + off, w.r_hi + off, n0,
+                                                     n0 + DQ_KEYS - 1) != TILE_FULL);
 }
 
 // Key tile n's K and V into AtomSwizzle rows (zeros past the keys), by one warp's cp.async.
@@ -342,10 +352,11 @@ __global__ void __launch_bounds__(DQ_THREADS, 1) varlen_bwd_dq(const __grid_cons
           const TokenHead th = packed_row(pr0 + 8 * (e / 2), p.pack, w.q_start, w.kv_head);
           const ScoreMod score_mod(p);
           const float raw = s4[t][e];
-          const float score = score_mod.score(raw, w.seq, th.head, th.token - w.q_start, kv);
+          const int q_idx = variant_q_idx(w, th.token);
+          const float score = score_mod.score(raw, w.seq, th.head, q_idx, kv);
           s4[t][e] = fast_exp2(fmaf(score, sl2, -lse2[e / 2]));
           dp4[t][e] = s4[t][e] * (dp4[t][e] - delta[e / 2]) *
-                      score_mod.dscore(raw, score, w.seq, th.head, th.token - w.q_start, kv);
+                      score_mod.dscore(raw, score, w.seq, th.head, q_idx, kv);
         } else {
           dp4[t][e] = s4[t][e] * (dp4[t][e] - delta[e / 2]);
         }
@@ -359,7 +370,7 @@ __global__ void __launch_bounds__(DQ_THREADS, 1) varlen_bwd_dq(const __grid_cons
           bool hidden = key < keys[e / 2].lo || key >= keys[e / 2].hi;
           if constexpr (MaskMod::ACTIVE) {  // the mask hook (mask.cuh)
             const TokenHead th = packed_row(pr0 + 8 * (e / 2), p.pack, w.q_start, w.kv_head);
-            hidden = hidden || !MaskMod{}.visible(w.seq, th.head, th.token - w.q_start, key);
+            hidden = hidden || !mask_mod_of(p).visible(w.seq, th.head, variant_q_idx(w, th.token), key);
           }
           if (hidden) dp4[t][e] = 0.f;
         }

@@ -42,4 +42,7 @@ struct BwdParams {
   float scale_log2;           // scale * log2(e); with a soft cap, cap * log2(e)
   float cap_scale;            // soft cap: 2 * scale * log2(e) / cap, so tanh(scale * s / cap) comes from exp2
   int device;
+#if JITATTN_CAPTURES > 0  // the variants' captured tensors (hooks.cuh; capture.h)
+  jitattn_variant::Capture captures[JITATTN_CAPTURES];
+#endif
 };

@@ -84,6 +84,20 @@ __device__ __forceinline__ bool decode_work(const BwdParams& p, Work& w, unsigne
     w.m_begin = static_cast<int>(r_min * p.pack / BLOCK_M);
     w.m_end = static_cast<int>(((r_max + 1) * p.pack - 1) / BLOCK_M) + 1;
   }
+  // The mask hook's empty query tiles at either end are never loaded, outside deterministic mode
+  // (whose dQ order counts every query tile the window gives a key tile: backward_sync.cuh).
+  if constexpr (MaskMod::ACTIVE) {
+    if (p.semaphores == nullptr) {
+      const MaskMod mask_mod = mask_mod_of(p);
+      const int kv_last = w.n0 + BLOCK_N - 1;
+      auto empty = [&](int m) {
+        const int r_first = m * BLOCK_M / p.pack, r_last = (min((m + 1) * BLOCK_M, w.rows) - 1) / p.pack;
+        return mask_mod.classify(w.seq, w.kv_head, r_first + int(off), r_last + int(off), w.n0, kv_last) == TILE_EMPTY;
+      };
+      while (w.m_begin < w.m_end && empty(w.m_begin)) ++w.m_begin;
+      while (w.m_end > w.m_begin && empty(w.m_end - 1)) --w.m_end;
+    }
+  }
   return true;
 }
 
@@ -137,8 +151,8 @@ __device__ __forceinline__ QueryTile query_tile(const BwdParams& p, const Work& 
              (p.window_left >= 0 && pr_last >= (int64_t(w.n0) - off + p.window_left + 1) * p.pack) ||
              (p.window_right >= 0 && pr0 < (int64_t(w.n0) + BLOCK_N - 1 - off - p.window_right) * p.pack);
   if constexpr (MaskMod::ACTIVE)  // the mask hook (mask.cuh) cuts the tile
-    t.masked = t.masked || MaskMod{}.classify(w.seq, w.kv_head, pr0 / p.pack, pr_last / p.pack, w.n0,
-                                              w.n0 + BLOCK_N - 1) != TILE_FULL;
+    t.masked = t.masked || mask_mod_of(p).classify(w.seq, w.kv_head, pr0 / p.pack + off, pr_last / p.pack + off,
+                                                   w.n0, w.n0 + BLOCK_N - 1) != TILE_FULL;
   if (w.descending) {
     const int k_hi = min(w.k_len, pr_last / p.pack + off + p.window_right + 1);  // window_right >= 0 here
     t.turn = min(w.n_tiles - 1, (k_hi - 1) / BLOCK_N) - w.n_block;

@@ -37,9 +37,10 @@ __device__ __forceinline__ bool block_extent(const VarlenParams& p, Work& w, int
   w.rows = w.q_len * p.pack;
   // With a right window edge (causal), row blocks end at the sequence's last row: the partial
   // block is then the first, whose rows see the fewest keys, instead of the last, which sees the
-  // most (at 8 x 4k, D64's 192-row blocks run 363 block x key tiles instead of 384). Its rows
-  // before 0 are zeros, never stored. It follows the sequence's own rows only (batch invariant).
-  if (p.window_right >= 0) w.m0 -= (BLOCK_M - w.rows % BLOCK_M) % BLOCK_M;
+  // most (at 8 x 4k, D64's 192-row blocks run 363 block x key tiles instead of 384); a mask_mod
+  // may be causal too. Its rows before 0 are zeros, never stored. It follows the sequence's own
+  // rows only (batch invariant).
+  if (p.window_right >= 0 || MaskMod::ACTIVE) w.m0 -= (BLOCK_M - w.rows % BLOCK_M) % BLOCK_M;
   if (w.m0 >= w.rows || w.q_start < 0) return false;
   w.k_start = k_start;
   if constexpr (PAGED) {
@@ -62,6 +63,15 @@ __device__ __forceinline__ bool block_extent(const VarlenParams& p, Work& w, int
   w.mask_above = p.window_right >= 0 ? min(w.k_len, r_lo + off + p.window_right + 1) : w.k_len;
   t_lo = k_lo / BLOCK_N;
   t_hi = k_hi > k_lo ? (k_hi + BLOCK_N - 1) / BLOCK_N : t_lo;
+  if constexpr (MaskMod::ACTIVE) {  // the mask hook's empty tiles at either end are never loaded
+    const MaskMod mask_mod = mask_mod_of(p);
+    while (t_lo < t_hi && mask_mod.classify(w.seq, w.kv_head, r_lo + off, r_hi + off, t_lo * BLOCK_N,
+                                            t_lo * BLOCK_N + BLOCK_N - 1) == TILE_EMPTY)
+      ++t_lo;
+    while (t_hi > t_lo && mask_mod.classify(w.seq, w.kv_head, r_lo + off, r_hi + off, (t_hi - 1) * BLOCK_N,
+                                            t_hi * BLOCK_N - 1) == TILE_EMPTY)
+      --t_hi;
+  }
   w.splits = p.num_splits;
   if (p.split_min_tiles > 0)
     w.splits = max(1, min(p.num_splits, (t_hi - t_lo + p.split_min_tiles - 1) / p.split_min_tiles));

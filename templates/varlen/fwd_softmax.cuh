@@ -17,14 +17,14 @@ __device__ __forceinline__ void score_tile(const VarlenParams& p, const Work& w,
         const int pr = w.m0 + row0 + mt * 16 + (e / 2) * 8 + g;
         const int kv = n0 + col0 + nt * 8 + 2 * c + (e & 1);
         const TokenHead th = packed_row(pr, p.pack, w.q_start, w.kv_head);
-        s[mt][nt][e] = score_mod.score(s[mt][nt][e], w.seq, th.head, th.token - w.q_start, kv);
+        s[mt][nt][e] = score_mod.score(s[mt][nt][e], w.seq, th.head, variant_q_idx(w, th.token), kv);
       }
 }
 
 // Hide (-inf) the logits the mask hides: the built-in rule (mask.cuh), then the mask hook.
 __device__ __forceinline__ void mask_tile(const VarlenParams& p, const Work& w, ScoreTile& s, int n0, int row0,
                                           int col0, int g, int c) {
-  const MaskMod mask_mod{};
+  const MaskMod mask_mod = mask_mod_of(p);
   const int off = w.k_len - w.q_len;
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
@@ -41,7 +41,7 @@ __device__ __forceinline__ void mask_tile(const VarlenParams& p, const Work& w, 
           const int col = n0 + col0 + nt * 8 + 2 * c + (e & 1);
           bool hidden = col < keys.lo || col >= keys.hi;
           if constexpr (MaskMod::ACTIVE)
-            hidden = hidden || !mask_mod.visible(w.seq, packed_row(pr, p.pack, w.q_start, w.kv_head).head, r, col);
+            hidden = hidden || !mask_mod.visible(w.seq, packed_row(pr, p.pack, w.q_start, w.kv_head).head, r + off, col);
           if (hidden) s[mt][nt][e] = -INFINITY;
         }
     }
@@ -50,9 +50,9 @@ __device__ __forceinline__ void mask_tile(const VarlenParams& p, const Work& w, 
 // Whether the mask hook hides part of key tile n0 of row block w (the tile then takes the mask).
 __device__ __forceinline__ bool mask_hook_cuts(const VarlenParams& p, const Work& w, int n0) {
   if constexpr (!MaskMod::ACTIVE) return false;
-  const MaskMod mask_mod{};
-  const int q_lo = max(w.m0, 0) / p.pack, q_hi = (min(w.m0 + BLOCK_M, w.rows) - 1) / p.pack;
-  return mask_mod.classify(w.seq, w.kv_head, q_lo, q_hi, n0, n0 + BLOCK_N - 1) != TILE_FULL;
+  const int off = w.k_len - w.q_len;
+  const int q_lo = max(w.m0, 0) / p.pack + off, q_hi = (min(w.m0 + BLOCK_M, w.rows) - 1) / p.pack + off;
+  return mask_mod_of(p).classify(w.seq, w.kv_head, q_lo, q_hi, n0, n0 + BLOCK_N - 1) != TILE_FULL;
 }
 
 // Online softmax over the tile: new row maxima (over the quad that shares a row), exponentiate

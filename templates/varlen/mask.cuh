@@ -38,16 +38,20 @@ __device__ __forceinline__ RowSpan visible_rows(const Params& p, const AnyWork& 
 
 // The mask hook (where a user mask_mod plugs in): visible(b, h, q_idx, kv_idx) on top of the
 // built-in rule, for sequence b, query head h, query q_idx and key kv_idx (both from the
-// sequence's start). It runs only on tiles that take the element-wise mask; classify() says of
-// a tile, queries [q_lo, q_hi] x keys [kv_lo, kv_hi] of sequence b and KV head kv_head, whether
-// the hook hides all of it (TILE_EMPTY), some (TILE_PARTIAL) or none (TILE_FULL), and the
-// mainloops mask the tiles it does not call full. (An empty tile is computed fully masked;
-// skipping it needs the scheduler and the producer to agree: not yet.) NoMaskMod, the default,
-// is inactive: every use of it compiles away.
+// sequence's start; q_idx bottom-right aligned: hooks.cuh's variant_q_idx). It runs only on tiles
+// that take the element-wise mask; classify() says of a tile, queries [q_lo, q_hi] x keys [kv_lo,
+// kv_hi] of sequence b and KV head kv_head, whether the hook hides all of it (TILE_EMPTY), some
+// (TILE_PARTIAL) or none (TILE_FULL). The schedulers drop the empty tiles at either end of a
+// work item's range (the forward's block_extent, the backward's decode_work outside
+// deterministic mode), so a causal or sliding-window mask_mod runs the built-in window's tiles;
+// empty tiles inside the range are computed fully masked, and the mainloops mask the tiles it
+// does not call full. NoMaskMod, the default, is inactive: every use of it compiles away.
 enum TileClass { TILE_EMPTY, TILE_PARTIAL, TILE_FULL };
 
 struct NoMaskMod {
   static constexpr bool ACTIVE = false;
+  template <class Params>
+  __device__ __forceinline__ explicit NoMaskMod(const Params&) {}
   __device__ __forceinline__ bool visible(int, int, int, int) const { return true; }
   __device__ __forceinline__ TileClass classify(int, int, int, int, int, int) const { return TILE_FULL; }
 };

@@ -30,5 +30,9 @@ struct VarlenParams {
   int page_shift, page_mask;  // page_size = 1 << page_shift
   float scale_log2;           // softmax scale * log2(e); with a soft cap, cap * log2(e)
   float cap_scale;            // soft cap: 2 * scale * log2(e) / cap, so tanh(scale * s / cap) comes from exp2
+  float scale;                // softmax scale, natural units (a user score_mod sees scale * q.k)
   int device;
+#if JITATTN_CAPTURES > 0  // the variants' captured tensors (hooks.cuh; capture.h)
+  jitattn_variant::Capture captures[JITATTN_CAPTURES];
+#endif
 };

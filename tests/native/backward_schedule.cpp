@@ -28,6 +28,8 @@ constexpr int BLOCK_M = BLOCK_M_;
 #include "tile_scheduler.cuh"
 #include "mask.cuh"
 using MaskMod = NoMaskMod;  // (hooks.cuh: the default)
+template <class Params>
+MaskMod mask_mod_of(const Params& p) { return MaskMod(p); }  // (hooks.cuh)
 #include "backward_schedule.cuh"
 
 int main() {

@@ -1,0 +1,2 @@
+// Device helpers of the C++ that jitattn/variants/render.py writes from a traced variant.
+#pragma once
