@@ -96,6 +96,8 @@ def _check_variants(spec) -> None:
     if spec.soft_cap and spec.score_mod:
         raise ValueError(f"{spec.family} spec: soft_cap=True and a score_mod both take the score hook; "
                          "write the cap in the score_mod")
+    if spec.exact_soft_cap and not spec.soft_cap:
+        raise ValueError(f"{spec.family} spec: exact_soft_cap=True picks the soft cap's tanh: set soft_cap=True")
 
 
 def _archs_facts(archs: tuple[str, ...]) -> list[bool]:
@@ -167,6 +169,7 @@ class VarlenSpec(KernelSpec):
     persistent: bool = False  # prefill, producer, TMA, plain GEMM order: a CTA per SM walks many row blocks
     score_mod: str = ""  # a user's score_mod: its traced tree's canonical text (jitattn/variants); '' none
     mask_mod: str = ""   # a user's mask_mod, likewise
+    exact_soft_cap: bool = False  # soft cap by an exact tanh (exp2 + reciprocal), not the hardware's tanh.approx
 
     # Field rules (KernelSpec.validate_fields); a tile field's 0 means the tuned default.
     choices: ClassVar[dict[str, tuple[str, ...]]] = {"dtype": ("float16", "bfloat16")}
@@ -325,7 +328,7 @@ class VarlenSpec(KernelSpec):
         tile += ("_splitkv" if self.split_kv else "") + ("_persistent" if self.persistent else "")
         return (f"varlen_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{'_paged' if self.paged else ''}"
                 f"_{'decode' if self.decode else 'prefill'}{'_wgmma' if self.wgmma else ''}"
-                f"{'_cap' if self.soft_cap else ''}{_variant_tag(self)}_{tile}")
+                f"{'_cap' if self.soft_cap else ''}{'x' if self.exact_soft_cap else ''}{_variant_tag(self)}_{tile}")
 
 
 # The register splits of the backward's producer variant: compute warpgroups' registers -> the
@@ -367,6 +370,7 @@ class VarlenBackwardSpec(KernelSpec):
     persistent: bool = False  # producer, head_dim <= 128: a CTA per SM walks many key tiles (not deterministic)
     score_mod: str = ""  # the forward's score_mod (its tree's canonical text): dS takes its derivative
     mask_mod: str = ""   # the forward's mask_mod
+    exact_soft_cap: bool = False  # the forward's exact tanh (its P must match the forward's lse)
 
     # Field rules (KernelSpec.validate_fields); a tile field's 0 means the tuned default.
     choices: ClassVar[dict[str, tuple[str, ...]]] = {"dtype": ("float16", "bfloat16")}
@@ -510,7 +514,7 @@ class VarlenBackwardSpec(KernelSpec):
         if self.producer and self.consumer_regs != 224:
             rung += f"_r{self.consumer_regs}"
         return (f"varlen_backward_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{rung}{'_cap' if self.soft_cap else ''}"
-                f"{_variant_tag(self)}_n{self.block_n}m{self.block_m}q{self.warps_q}")
+                f"{'x' if self.exact_soft_cap else ''}{_variant_tag(self)}_n{self.block_n}m{self.block_m}q{self.warps_q}")
 
     def params(self) -> dict:
         return {**super().params(), **_variant_params(self)}

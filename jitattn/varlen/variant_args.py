@@ -45,20 +45,38 @@ def variants_of(score_text: str | None, mask_text: str | None, captures) -> tupl
 
 def op_arguments(score_mod, mask_mod) -> tuple[str | None, str | None, list | None]:
     """(score_mod text, mask_mod text, captures) for an op call from the API's arguments (functions,
-    or None), traced (jitattn/variants caches the trace per function)."""
+    traced Variants, or None); functions are traced (jitattn/variants caches the trace per function)."""
     if score_mod is None and mask_mod is None:
         return None, None, None
     from jitattn.variants import trace_mask_mod, trace_score_mod
 
-    score = trace_score_mod(score_mod) if score_mod is not None else None
-    mask = trace_mask_mod(mask_mod) if mask_mod is not None else None
-    captures = [*(score.tensors if score else ()), *(mask.tensors if mask else ())]
-    return (score.key_text if score else None, mask.key_text if mask else None, captures or None)
+    score = _traced(score_mod, trace_score_mod)
+    mask = _traced(mask_mod, trace_mask_mod)
+    return texts_and_captures(score, mask)
+
+
+def texts_and_captures(score, mask) -> tuple[str | None, str | None, list | None]:
+    """The ops' variant arguments of traced Variants (or None): attribute reads only, so
+    torch.compile traces this with fullgraph=True (the captured tensors become graph inputs)."""
+    captures = [*(score.tensors if score is not None else ()), *(mask.tensors if mask is not None else ())]
+    return (score.key_text if score is not None else None, mask.key_text if mask is not None else None,
+            captures or None)
+
+
+def _traced(value, trace):
+    from jitattn.variants import Variant
+
+    return value if value is None or isinstance(value, Variant) else trace(value)
 
 
 def op_arguments_outside_trace(score_mod, mask_mod):
-    """op_arguments, run by Python rather than traced by torch.compile (a graph break: the tracer's
-    proxies are not something dynamo can follow)."""
+    """op_arguments, run by Python rather than traced by torch.compile: Variants are read in the
+    graph; a function is traced outside it (a graph break: the tracer's proxies are not something
+    dynamo can follow; pass jitattn.variants.trace_score_mod(fn) for fullgraph=True)."""
+    from jitattn.variants import Variant
+
+    if all(v is None or isinstance(v, Variant) for v in (score_mod, mask_mod)):
+        return texts_and_captures(score_mod, mask_mod)
     return _untraced()(score_mod, mask_mod)
 
 

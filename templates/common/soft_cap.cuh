@@ -9,4 +9,13 @@ namespace jitattn {
 // measured slower (notes/template-figures.md, "soft_cap.cuh").
 __device__ __forceinline__ float tanh_from_exp2(float u) { return 1.f - __fdividef(2.f, 1.f + fast_exp2(u)); }
 
+// tanh(x) by the hardware's tanh.approx.f32 (sm_75+): one MUFU operation where tanh_from_exp2
+// takes two, at a relative error of about 2^-11 (FlashAttention-3's and FlashInfer's soft cap;
+// the accuracy against float64: notes/softcap.md).
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 }  // namespace jitattn

@@ -40,7 +40,7 @@ struct BwdParams {
   int window_left, window_right;  // -1: unbounded on that side (clamped to 2^30 by the host)
   float scale;                // softmax scale (dQ and dK are scaled by it)
   float scale_log2;           // scale * log2(e); with a soft cap, cap * log2(e)
-  float cap_scale;            // soft cap: 2 * scale * log2(e) / cap, so tanh(scale * s / cap) comes from exp2
+  float cap_scale;            // soft cap: the factor of s in tanh's argument (score.cuh's SoftCapScore)
   int device;
 #if JITATTN_CAPTURES > 0  // the variants' captured tensors (hooks.cuh; capture.h)
   jitattn_variant::Capture captures[JITATTN_CAPTURES];

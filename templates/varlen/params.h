@@ -29,7 +29,7 @@ struct VarlenParams {
   int window_left, window_right;  // -1: unbounded on that side
   int page_shift, page_mask;  // page_size = 1 << page_shift
   float scale_log2;           // softmax scale * log2(e); with a soft cap, cap * log2(e)
-  float cap_scale;            // soft cap: 2 * scale * log2(e) / cap, so tanh(scale * s / cap) comes from exp2
+  float cap_scale;            // soft cap: the factor of s in tanh's argument (score.cuh's SoftCapScore)
   float scale;                // softmax scale, natural units (a user score_mod sees scale * q.k)
   int device;
 #if JITATTN_CAPTURES > 0  // the variants' captured tensors (hooks.cuh; capture.h)

@@ -18,13 +18,18 @@ struct IdentityScore {
 };
 
 // Logit soft cap (Gemma-2): L = cap * tanh(scale * s / cap). The host folds cap * log2(e) into
-// scale_log2 and 2 * scale * log2(e) / cap into cap_scale (tanh_from_exp2's argument), so the
-// score is tanh(scale * s / cap) and its slope 1 - tanh^2.
+// scale_log2 and the factor of s into cap_scale: scale / cap for the hardware tanh (the default),
+// 2 * scale * log2(e) / cap for tanh_from_exp2 (exact_soft_cap, one more MUFU operation per
+// logit), so the score is tanh(scale * s / cap) and its slope 1 - tanh^2.
+constexpr bool EXACT_SOFT_CAP = {{ "true" if exact_soft_cap else "false" }};
+
 struct SoftCapScore {
   static constexpr bool ACTIVE = true;
   float cap_scale;
   template <class Params>
   __device__ __forceinline__ explicit SoftCapScore(const Params& p) : cap_scale(p.cap_scale) {}
-  __device__ __forceinline__ float score(float s, int, int, int, int) const { return tanh_from_exp2(s * cap_scale); }
+  __device__ __forceinline__ float score(float s, int, int, int, int) const {
+    return EXACT_SOFT_CAP ? tanh_from_exp2(s * cap_scale) : tanh_approx(s * cap_scale);
+  }
   __device__ __forceinline__ float dscore(float, float th, int, int, int, int) const { return fmaf(-th, th, 1.f); }
 };
