@@ -204,8 +204,9 @@ def bench_softcap(args, device):
     b, l, h = args.batch, args.seqlen, args.heads
     reps = 10 if args.quick else 20
     print(f"\n### Soft cap 50: forward time against no cap, bf16, {b} x {l}, {h} heads\n")
-    print("| D | no cap ms | cap ms (tanh.approx) | cost | cap ms (exact tanh) | cost | max err approx | max err exact |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    print("| D | no cap ms | cap ms (tanh.approx) | cost | exact tanh | cost | poly_exp2=1 | cost | poly_exp2=2 | cost "
+          "| max err approx | max err exact |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     cu = torch.arange(0, (b + 1) * l, l, dtype=torch.int32, device=device)
     for d in (64, 128, 256):
         sets = _inputs(b, l, h, d, device)
@@ -220,8 +221,14 @@ def bench_softcap(args, device):
             with override_spec("varlen", **exact):
                 return time_us(run(50.0), reps=reps)
 
+        def timed_poly(k):
+            def timer():
+                with override_spec("varlen", when={"soft_cap": True}, poly_exp2=k):
+                    return time_us(run(50.0), reps=reps)
+            return timer
+
         timers = {"plain": lambda: time_us(run(None), reps=reps), "cap": lambda: time_us(run(50.0), reps=reps),
-                  "exact": timed_exact}
+                  "exact": timed_exact, "poly1": timed_poly(1), "poly2": timed_poly(2)}
         times = {k: statistics.median(v) for k, v in interleaved_us(timers, args.rounds).items()}
         # accuracy on a short batch against float64
         q, k, v = (torch.randn(2 * 512, h, d, device=device, dtype=torch.bfloat16) * 2 for _ in range(3))
@@ -230,9 +237,9 @@ def bench_softcap(args, device):
         err = (jitattn.varlen_attn(q, k, v, cu2, cu2, 512, 512, softcap=50.0).double() - ref).abs().max().item()
         with override_spec("varlen", **exact):
             err_x = (jitattn.varlen_attn(q, k, v, cu2, cu2, 512, 512, softcap=50.0).double() - ref).abs().max().item()
-        print(f"| {d} | {times['plain'] / 1e3:.3f} | {times['cap'] / 1e3:.3f} | {times['cap'] / times['plain']:.2f}x "
-              f"| {times['exact'] / 1e3:.3f} | {times['exact'] / times['plain']:.2f}x | {err:.2e} | {err_x:.2e} |",
-              flush=True)
+        cells = " | ".join(f"{times[k] / 1e3:.3f} | {times[k] / times['plain']:.2f}x"
+                           for k in ("cap", "exact", "poly1", "poly2"))
+        print(f"| {d} | {times['plain'] / 1e3:.3f} | {cells} | {err:.2e} | {err_x:.2e} |", flush=True)
 
 
 if __name__ == "__main__":

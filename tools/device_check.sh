@@ -66,6 +66,7 @@ fi
 #     transformers integration's tests, the first call with grad, issue 47's transformers table; with
 #     PYTORCH_DIR, torch's own attention tests with jitattn active). It may compile what the manifests
 #     lack, so it runs with the JIT on (into the writable cache).
+#   variants: tools/bench_variants.py (variants vs FlexAttention, masks vs windows, the soft cap's cost)
 #   sweep: tools/bench_sweep.py --quick (forward / backward TFLOP/s against sequence length, decode TB/s
 #     against kv length, beside the peers) -> $OUT/sweep.json, which tools/plot_benchmarks.py draws
 #   persistent: the forward's other schedule at D64 / D128 / D256 (a CTA per row block where calls
@@ -94,4 +95,9 @@ wants persistent && timeout 400 python3 tools/fwd_schedule.py --quick --head-dim
 wants transformers && python3 tools/bench_transformers.py --layers 2 --new 32 2>&1 | tee "$OUT/bench_transformers.log"
 wants torchflash && JITATTN_DISABLE_JIT=0 tools/device_check_torch_flash.sh 2>&1 | tee "$OUT/torchflash.log"
 wants sweep && python3 tools/bench_sweep.py --quick --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log"
+# Variants (issue 46): the acceptance set beside FlexAttention, masks beside the built-in window, the
+# soft cap's cost (VARIANTS_ARGS go to tools/bench_variants.py, e.g. --quick or --parts softcap). It
+# compiles the variant kernels it meets (JIT on, into the writable cache).
+wants variants && JITATTN_DISABLE_JIT=0 python3 tools/bench_variants.py ${VARIANTS_ARGS:-} 2>&1 \
+  | tee "$OUT/bench_variants.log"
 exit $status

@@ -170,12 +170,14 @@ class VarlenSpec(KernelSpec):
     score_mod: str = ""  # a user's score_mod: its traced tree's canonical text (jitattn/variants); '' none
     mask_mod: str = ""   # a user's mask_mod, likewise
     exact_soft_cap: bool = False  # soft cap by an exact tanh (exp2 + reciprocal), not the hardware's tanh.approx
+    poly_exp2: int = 0  # of every 4 key columns of 8, how many take exp2 on the FMA pipe (softmax.cuh)
 
     # Field rules (KernelSpec.validate_fields); a tile field's 0 means the tuned default.
     choices: ClassVar[dict[str, tuple[str, ...]]] = {"dtype": ("float16", "bfloat16")}
     parsers: ClassVar[dict[str, object]] = VARIANT_PARSERS
     ranges: ClassVar[dict[str, tuple[int, int]]] = {
-        "head_dim": (32, 256), "warps_m": (0, 16), "m_tiles": (0, 8), "block_n": (0, 256), "stages": (0, 8)}
+        "head_dim": (32, 256), "warps_m": (0, 16), "m_tiles": (0, 8), "block_n": (0, 256), "stages": (0, 8),
+        "poly_exp2": (0, 4)}
     rules: ClassVar[dict[str, str]] = {"head_dim": "a multiple of 16 in [32, 256]"}
 
     def __post_init__(self):
@@ -326,6 +328,7 @@ class VarlenSpec(KernelSpec):
         tile = f"m{self.warps_m}x{self.m_tiles}n{self.block_n}s{self.stages}"
         tile += ("_pingpong" if self.pingpong else "") + ("_overlap" if self.overlap else "") + ("_tma" if self.tma else "")
         tile += ("_splitkv" if self.split_kv else "") + ("_persistent" if self.persistent else "")
+        tile += f"_poly{self.poly_exp2}" if self.poly_exp2 else ""
         return (f"varlen_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{'_paged' if self.paged else ''}"
                 f"_{'decode' if self.decode else 'prefill'}{'_wgmma' if self.wgmma else ''}"
                 f"{'_cap' if self.soft_cap else ''}{'x' if self.exact_soft_cap else ''}{_variant_tag(self)}_{tile}")

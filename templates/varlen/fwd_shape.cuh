@@ -17,6 +17,9 @@ constexpr int WARPS_N = {{ warps_n }};
 constexpr int M_TILES = {{ m_tiles }};  // 16-row MMA tiles per warp
 constexpr int BLOCK_N = {{ block_n }};
 constexpr int STAGES = {{ stages }};
+// Of every 4 key columns of 8 in a tile, how many take their exponentials on the FMA pipe
+// (softmax.cuh's poly_exp2) instead of the MUFU unit: 0 keeps every exp2 on the MUFU.
+constexpr int POLY_EXP2 = {{ poly_exp2 }};
 constexpr int WARPS = WARPS_M * WARPS_N;  // the warps that compute
 // wgmma: one more warpgroup, the producer, does every K/V copy and hands stages to the compute
 // warpgroups through mbarriers, so they never wait on each other (a CTA barrier per tile held

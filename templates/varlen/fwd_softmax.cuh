@@ -78,7 +78,8 @@ __device__ __forceinline__ void online_softmax(ScoreTile& s, float (&row_max)[M_
       for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
         for (int e = 2 * h; e < 2 * h + 2; ++e) {
-          s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], sl2, -base));
+          const float x = fmaf(s[mt][nt][e], sl2, -base);
+          s[mt][nt][e] = nt % 4 < POLY_EXP2 ? poly_exp2(x) : fast_exp2(x);  // (nt is a constant here)
           sum += s[mt][nt][e];
         }
       row_sum[mt][h] = row_sum[mt][h] * alpha + sum;
