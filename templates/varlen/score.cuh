@@ -21,7 +21,7 @@ struct IdentityScore {
 // scale_log2 and the factor of s into cap_scale: scale / cap for the hardware tanh (the default),
 // 2 * scale * log2(e) / cap for tanh_from_exp2 (exact_soft_cap, one more MUFU operation per
 // logit), so the score is tanh(scale * s / cap) and its slope 1 - tanh^2.
-constexpr bool EXACT_SOFT_CAP = {{ "true" if exact_soft_cap else "false" }};
+constexpr bool EXACT_SOFT_CAP = JITATTN_EXACT_SOFT_CAP;  // (set by the entry template from the spec)
 
 struct SoftCapScore {
   static constexpr bool ACTIVE = true;
