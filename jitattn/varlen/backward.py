@@ -73,8 +73,10 @@ class EagerVarlenAttn(torch.autograd.Function):
 
 # ---------------------------------------------------------------- autograd formula of jitattn::varlen_attn
 def setup_context(ctx, inputs, output) -> None:
+    # (trailing defaulted arguments may be absent: they default to None)
     (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa,
-     seqused_k, block_table, num_splits, return_lse, softcap, score_mod, mask_mod, captures) = inputs
+     seqused_k, block_table, num_splits, return_lse, softcap, score_mod, mask_mod, captures) = (
+        tuple(inputs) + (None,) * (18 - len(inputs)))
     check_differentiable(block_table)
     out, lse = output  # lse is (0, T_q) when the op was called without return_lse: backward recomputes it
     ctx.save_for_backward(query, key, value, cu_seq_q, cu_seq_k, seqused_k, out, lse)
@@ -92,8 +94,10 @@ def backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):
         grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, ctx.scale, ctx.window,
         ctx.max_q, ctx.max_k, ctx.softcap, *ctx.variants)
     # cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa, seqused_k, block_table,
-    # num_splits, return_lse, softcap, score_mod, mask_mod, captures: not differentiable
-    return (dq, dk, dv) + (None,) * 15
+    # num_splits, return_lse, softcap, score_mod, mask_mod, captures: not differentiable. As many
+    # as the call's inputs (ctx.needs_input_grad has one entry each): torch versions differ in
+    # whether defaulted trailing arguments count.
+    return (dq, dk, dv) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
 _BACKWARD_SCHEMA = ("(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, Tensor out, "
