@@ -115,7 +115,7 @@ def varlen_attn_reference(
     sequence and q_idx = r + Lk - Lq (bottom-right aligned, as the windows). score_mod's score is
     scale * q.k and its result replaces it (a soft cap then caps that result); mask_mod's False, a
     window's exclusion and a score of -inf all hide the key. Both are called on broadcast index
-    tensors (`_evaluate_mod`), so the functions FlexAttention users write work unchanged.
+    tensors (`evaluate_mod`), so the functions FlexAttention users write work unchanged.
     max_q / max_k and enable_gqa are accepted for signature parity and not used.
     """
     del max_q, max_k, enable_gqa
@@ -151,7 +151,7 @@ def varlen_attn_reference(
         positions = (_positions(i, num_heads_q, len_q, len_k, device)
                      if score_mod is not None or mask_mod is not None else None)
         if score_mod is not None:
-            logits = _evaluate_mod(score_mod, "score_mod", (logits, *positions), logits.shape).to(compute_dtype)
+            logits = evaluate_mod(score_mod, "score_mod", (logits, *positions), logits.shape).to(compute_dtype)
         if softcap:
             logits = softcap * torch.tanh(logits / softcap)
         r = torch.arange(len_q, device=device)[:, None]
@@ -163,7 +163,7 @@ def varlen_attn_reference(
             allowed &= col <= r + len_k - len_q + right
         allowed = allowed.expand(num_heads_q, len_q, len_k)
         if mask_mod is not None:
-            visible = _evaluate_mod(mask_mod, "mask_mod", positions, allowed.shape)
+            visible = evaluate_mod(mask_mod, "mask_mod", positions, allowed.shape)
             if visible.dtype != torch.bool:
                 raise TypeError(f"mask_mod must return a bool tensor, got {visible.dtype}")
             allowed = allowed & visible
@@ -190,7 +190,7 @@ def _positions(seq: int, num_heads: int, len_q: int, len_k: int, device) -> tupl
     return b, h, q_idx, kv_idx
 
 
-def _evaluate_mod(fn: Callable, name: str, args: tuple, shape: torch.Size) -> torch.Tensor:
+def evaluate_mod(fn: Callable, name: str, args: tuple, shape: torch.Size) -> torch.Tensor:
     """fn(*args) over every (h, q_idx, kv_idx) of one sequence, as a tensor of `shape`.
 
     FlexAttention's functions are written for scalar indices. Called on broadcast index tensors

@@ -201,17 +201,24 @@ def test_constant_masks_broadcast():
     assert_same(run(args, score_mod=lambda score, b, h, q_idx, kv_idx: score), everything)
 
 
-def test_a_function_that_does_not_broadcast_runs_under_vmap(monkeypatch):
+def test_a_function_that_does_not_broadcast_runs_under_vmap():
     """bias[h][i] indexes bias's first dim twice on broadcast tensors; under vmap it is what it says."""
     args = uneven_batch(9, 4, 2, len_q=[5, 0, 3, 6, 2, 1], len_k=[5, 0, 4, 9, 6, 3])
     table = torch.randn(4, 20, dtype=F64)
-    calls = []
-    vmapped = reference._vmapped
-    monkeypatch.setattr(reference, "_vmapped", lambda *a: calls.append(1) or vmapped(*a))
     chained = lambda score, b, h, q_idx, kv_idx: score + table[h][q_idx - kv_idx + 9]  # noqa: E731
-    got = run(args, score_mod=chained)
-    assert calls, "the broadcast call was expected to fail and fall back to vmap"
-    assert_same(got, run(args, score_mod=bias_table(table, 9)))
+    h, q_idx, kv_idx = torch.arange(4).view(4, 1, 1), torch.arange(6).view(1, 6, 1), torch.arange(9).view(1, 1, 9)
+    with pytest.raises(IndexError):  # so the reference cannot have used the broadcast call
+        chained(torch.zeros(4, 6, 9, dtype=F64), torch.tensor(3), h, q_idx + 3, kv_idx)
+    assert_same(run(args, score_mod=chained), run(args, score_mod=bias_table(table, 9)))
+
+
+def test_evaluate_mod_gives_one_value_per_position():
+    positions = (torch.tensor(1), torch.arange(3).view(3, 1, 1), torch.arange(4).view(1, 4, 1),
+                 torch.arange(5).view(1, 1, 5))
+    table = torch.arange(60).view(3, 4, 5)
+    got = reference.evaluate_mod(lambda b, h, q_idx, kv_idx: table[h][q_idx][kv_idx] + b, "mask_mod", positions,
+                                 torch.Size([3, 4, 5]))
+    assert torch.equal(got, table + 1)
 
 
 def test_a_mask_mod_returning_numbers_is_refused():
