@@ -171,11 +171,21 @@ def packed(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(batch * tokens, heads, dim)
 
 
-@functools.lru_cache(maxsize=64)
 def _cu_seqlens(batch: int, len_q: int, len_k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """int32 cu_seq_q, cu_seq_k of B equal sequences, made on the device once per (B, L, S, device)."""
+    """int32 cu_seq_q, cu_seq_k of B equal sequences: made on the device once per (B, L, S, device)
+    in eager calls (no per-call allocation, so a call captures into a CUDA graph), in the graph
+    under torch.compile (which would trace through the cache anyway)."""
+    if torch.compiler.is_compiling():
+        return _equal_starts(batch, len_q, len_k, device)
+    return _cached_equal_starts(batch, len_q, len_k, device)
+
+
+def _equal_starts(batch: int, len_q: int, len_k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
     return starts * len_q, starts * len_k
+
+
+_cached_equal_starts = functools.lru_cache(maxsize=64)(_equal_starts)
 
 
 def _top_left(fn: Callable, shift: int, score: bool) -> Callable:
@@ -280,18 +290,26 @@ def _check_flex_args(query, key, value, value_shape, enable_gqa) -> None:
 
 def _check_mod(name: str, fn, positional: int, required: bool = False) -> None:
     """fn is None (unless required) or a callable taking `positional` positional arguments, counted
-    as torch counts them (parameters without defaults)."""
+    as torch counts them (parameters without defaults; from __code__ where there is one, which
+    torch.compile can trace, unlike inspect.signature)."""
     if fn is None and not required:
         return
     if not callable(fn):
         raise TypeError(f"{name} must be a callable, got {type(fn).__name__}")
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return  # a builtin or C callable: let the call itself tell
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return
-    count = sum(1 for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        if code.co_flags & inspect.CO_VARARGS:
+            return
+        count = code.co_argcount - len(getattr(fn, "__defaults__", None) or ()) - inspect.ismethod(fn)
+    else:
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            return  # a builtin or C callable: let the call itself tell
+        if any(p.kind is p.VAR_POSITIONAL for p in params):
+            return
+        count = sum(1 for p in params
+                    if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
     if count != positional:
         signature = "(score, b, h, q_idx, kv_idx)" if positional == 5 else "(b, h, q_idx, kv_idx)"
         raise TypeError(f"{name} must take {positional} arguments {signature}, got one taking {count}")

@@ -4,6 +4,7 @@ Without a GPU nothing launches: the argument checks, the block masks, the packin
 onto one varlen_attn call are checked here, the last by standing the float64 reference in for
 varlen_attn (`reference_varlen`) and comparing with torch's own flex_attention (its eager math
 path) on the same inputs. tests/test_flex_gpu.py runs the kernels."""
+import functools
 import json
 import os
 import subprocess
@@ -127,6 +128,45 @@ def test_a_block_mask_made_for_other_sizes_is_refused(mask, match):
 def test_create_block_mask_checks_its_arguments(args, error, match):
     with pytest.raises(error, match=match):
         jitattn.create_block_mask(*args)
+
+
+def test_mods_of_every_callable_kind_are_accepted(monkeypatch):
+    calls = record_varlen(monkeypatch)
+
+    class Masks:
+        def causal(self, b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+
+        def __call__(self, score, b, h, q_idx, kv_idx, unused=2.0):
+            return score
+
+    def scaled(score, b, h, q_idx, kv_idx, *, factor):
+        return score * factor
+
+    q, k, v = qkv()
+    for score_mod in (Masks(), functools.partial(scaled, factor=0.5), relative_bias):
+        mask = jitattn.create_block_mask(Masks().causal, 2, 4, 12, 12, device="cpu")
+        jitattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=mask)
+    assert len(calls) == 3
+
+
+def test_flex_attention_traces_into_one_graph(monkeypatch):
+    """torch.compile(fullgraph=True) sees no graph break in flex_attention's own code (a traceable
+    stand-in for varlen_attn here; the real one is a custom op under compile)."""
+    def varlen_standin(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, **kw):
+        out = query * 2 + cu_seq_k[-1]
+        return (out, query.new_zeros(query.shape[1], query.shape[0], dtype=torch.float32)) if return_aux else out
+
+    monkeypatch.setattr(flex, "varlen_attn", varlen_standin)
+    q, k, v = qkv(len_q=8, len_k=12)
+    slopes = torch.rand(4)
+    mask = jitattn.create_block_mask(causal, 2, None, 8, 12, device="cpu")
+    compiled = torch.compile(lambda q, k, v: jitattn.flex_attention(
+        q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx), block_mask=mask,
+        return_aux=torch_flex.AuxRequest(lse=True)), fullgraph=True, backend="eager")
+    out, aux = compiled(q, k, v)
+    assert out.shape == (2, 4, 8, 16) and aux.lse.shape == (2, 4, 8)
+    assert torch.equal(out, q * 2 + 24)
 
 
 def test_kernel_options_and_torch_block_mask_options_are_accepted_and_ignored(monkeypatch):
