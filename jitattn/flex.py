@@ -10,9 +10,11 @@ and `create_block_mask` costs nothing worth hoisting out of a training step.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
+import math
 import sys
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -66,6 +68,8 @@ class BlockMask:
         block_q, block_kv = self.BLOCK_SIZE
         q_blocks, kv_blocks = -(-q_len // block_q), -(-kv_len // block_kv)
         dense = torch.zeros(batch, heads, q_blocks, kv_blocks, dtype=torch.int32, device=self.device)
+        if q_len == 0 or kv_len == 0:
+            return dense
         rows_per_chunk = block_q * max(1, DENSE_CHUNK_ELEMENTS // max(1, heads * block_q * kv_len))
         h = torch.arange(heads, device=self.device).view(-1, 1, 1)
         kv_idx = torch.arange(kv_len, device=self.device).view(1, 1, -1)
@@ -83,6 +87,19 @@ class BlockMask:
                 blocks = visible.view(heads, -1, block_q, kv_blocks, block_kv).any(4).any(2)
                 dense[b, :, q0 // block_q: q0 // block_q + blocks.shape[1]] = blocks.to(torch.int32)
         return dense
+
+    def numel(self) -> int:
+        """B * H * Q_LEN * KV_LEN, as torch's BlockMask."""
+        return math.prod(self.shape)
+
+    def sparsity(self) -> float:
+        """The percentage of blocks the mask leaves out, as torch's (computed through to_dense)."""
+        dense = self.to_dense()
+        return 100.0 * (1.0 - dense.sum().item() / max(1, dense.numel()))
+
+    def to(self, device) -> BlockMask:
+        """The same mask for another device (where to_dense evaluates it), as torch's BlockMask.to."""
+        return dataclasses.replace(self, device=torch.device(device))
 
     def __str__(self) -> str:
         return f"BlockMask(shape={self.shape}, BLOCK_SIZE={self.BLOCK_SIZE}, mask_mod={_name(self.mask_mod)})"
@@ -142,7 +159,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if return_lse and return_aux is not None:
         raise ValueError("give either return_lse or return_aux (return_lse is deprecated in torch), not both")
     _check_kernel_options(kernel_options)
-    mask_mod = _mask_of(block_mask, (batch, heads_q, len_q, len_k))
+    mask_mod = _mask_of(block_mask, (batch, heads_q, len_q, len_k), query.device)
     if batch_kv != batch:  # (1, Hkv, S, E) keys shared by the whole batch: torch broadcasts them
         key, value = key.expand(batch, -1, -1, -1), value.expand(batch, -1, -1, -1)
 
@@ -204,14 +221,14 @@ def _top_left(fn: Callable, shift: int, score: bool) -> Callable:
     return mask_mod
 
 
-def _mask_of(block_mask, shape: tuple[int, int, int, int]) -> Callable | None:
+def _mask_of(block_mask, shape: tuple[int, int, int, int], device: torch.device) -> Callable | None:
     """The mask_mod a block_mask (None, jitattn's or torch's BlockMask) stands for, after checking
     it was made for this call's (B, Hq, L, S); None when it hides nothing."""
     if block_mask is None:
         return None
     torch_flex = sys.modules.get(_TORCH_FLEX)
     if torch_flex is not None and isinstance(block_mask, torch_flex.BlockMask):
-        return _mask_of_torch(torch_flex, block_mask, shape)
+        return _mask_of_torch(torch_flex, block_mask, shape, device)
     if not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be a BlockMask (jitattn.create_block_mask or torch's), "
                         f"got {type(block_mask).__name__}")
@@ -219,9 +236,11 @@ def _mask_of(block_mask, shape: tuple[int, int, int, int]) -> Callable | None:
     return block_mask.mask_mod
 
 
-def _mask_of_torch(torch_flex, block_mask, shape) -> Callable | None:
+def _mask_of_torch(torch_flex, block_mask, shape, device) -> Callable | None:
     """torch's BlockMask: its mask_mod, or, when it has none (noop_mask) but leaves blocks out
-    (BlockMask.from_kv_blocks), a mask reading its dense block layout, which is what torch computes."""
+    (BlockMask.from_kv_blocks), a mask reading its dense block layout (copied to the query's
+    device), which is what torch's kernels compute. Only that last kind reads the block tables,
+    with one host sync per call (whether any block is left out)."""
     mask_mod = block_mask.mask_mod
     if mask_mod is getattr(torch_flex, "_sliced_mask_mod_error", None):
         raise ValueError("block_mask is a sliced torch BlockMask, whose mask_mod torch replaced by an error: "
@@ -234,7 +253,7 @@ def _mask_of_torch(torch_flex, block_mask, shape) -> Callable | None:
     dense = block_mask.to_dense()
     if bool(dense.all()):
         return None
-    visible = dense.bool().expand(shape[0], shape[1], -1, -1).contiguous()
+    visible = dense.bool().expand(shape[0], shape[1], -1, -1).contiguous().to(device)
     block_q, block_kv = block_mask.BLOCK_SIZE
 
     def block_sparse_mask(b, h, q_idx, kv_idx):

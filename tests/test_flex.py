@@ -218,6 +218,21 @@ def test_a_block_mask_is_a_frozen_record_of_the_mask_and_its_shape():
         mask.shape = (1, 1, 1, 1)
 
 
+def test_numel_sparsity_and_to_are_torchs():
+    mask_mod = sliding_window(100)
+    ours = jitattn.create_block_mask(mask_mod, 2, 3, 1000, 700, device="cpu")
+    theirs = torch_flex.create_block_mask(mask_mod, 2, 3, 1000, 700, device="cpu")
+    assert ours.numel() == theirs.numel() == 2 * 3 * 1000 * 700
+    assert ours.sparsity() == pytest.approx(theirs.sparsity(), abs=1e-9) and 0 < ours.sparsity() < 100
+    moved = ours.to("meta")
+    assert moved.device == torch.device("meta") and moved.mask_mod is mask_mod and ours.device.type == "cpu"
+
+
+def test_empty_lengths_have_an_empty_dense_layout():
+    assert jitattn.create_block_mask(causal, 2, 1, 0, 300, device="cpu").to_dense().shape == (2, 1, 0, 3)
+    assert jitattn.create_block_mask(causal, 2, 1, 300, 0, device="cpu").to_dense().shape == (2, 1, 3, 0)
+
+
 def test_create_block_mask_evaluates_nothing():
     def counted(b, h, q_idx, kv_idx):
         calls.append(1)
