@@ -8,6 +8,7 @@ import math
 from typing import Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -201,7 +202,8 @@ def evaluate_mod(fn: Callable, name: str, args: tuple, shape: torch.Size) -> tor
     """
     device = args[-1].device
     try:
-        result = torch.as_tensor(fn(*args), device=device)
+        with _BoundsCheckedIndexing():
+            result = torch.as_tensor(fn(*args), device=device)
         if result.dim() <= len(shape):
             return torch.broadcast_to(result, shape)
     except (IndexError, RuntimeError, ValueError):
@@ -211,6 +213,24 @@ def evaluate_mod(fn: Callable, name: str, args: tuple, shape: torch.Size) -> tor
         raise ValueError(f"{name} must return one value per (b, h, q_idx, kv_idx); under torch.vmap it "
                          f"returned shape {tuple(result.shape)} for {tuple(shape)} positions")
     return result
+
+
+class _BoundsCheckedIndexing(TorchFunctionMode):
+    """`captured[i0, i1, ...]` with index tensors raises IndexError when an index is out of range,
+    read on the host first: on a GPU the indexing itself would fail by a device-side assert, which
+    ends the process, so the broadcast attempt of a function that needs vmap could not fall back."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__:
+            tensor, index = args[0], args[1]
+            index = index if isinstance(index, tuple) else (index,)
+            if all(isinstance(i, (int, torch.Tensor)) and not isinstance(i, bool) for i in index):
+                for dim, i in enumerate(index[: tensor.dim()]):
+                    if isinstance(i, torch.Tensor) and i.numel() and i.dtype != torch.bool:
+                        size = tensor.shape[dim]
+                        if int(i.min()) < -size or int(i.max()) >= size:
+                            raise IndexError(f"index out of range for dim {dim} of size {size}")
+        return func(*args, **(kwargs or {}))
 
 
 def _vmapped(fn: Callable, args: tuple) -> torch.Tensor:

@@ -371,3 +371,20 @@ def test_flex_attention_with_a_variant_captures_into_a_cuda_graph():
     want = jitattn.flex_attention(q, k, v, score_mod=bias, block_mask=mask, enable_gqa=True)
     assert not torch.equal(want, eager)
     assert torch.equal(captured, want)
+
+
+# ---------------------------------------------------------------- the oracle itself on the GPU
+
+def test_the_reference_runs_a_function_that_needs_vmap_on_the_gpu():
+    """bias[h][i] indexes bias's first dim with relative positions when called on broadcast index
+    tensors: out of range there, which on a GPU would be a device-side assert (ending the process),
+    not the IndexError the reference falls back to vmap on."""
+    q, k, v, cu_q, cu_k, max_q, max_k, _, _ = packed_batch(F64, 32, 4, 2, seed=31)
+    table = torch.randn(4, 2 * 256 - 1, device=DEVICE, dtype=F64)
+    chained = lambda score, b, h, q_idx, kv_idx: score + table[h][q_idx - kv_idx + 255]  # noqa: E731
+    direct = lambda score, b, h, q_idx, kv_idx: score + table[h, q_idx - kv_idx + 255]  # noqa: E731
+    got = varlen_attn_reference(q, k, v, cu_q, cu_k, max_q, max_k, enable_gqa=True, score_mod=chained)
+    want = varlen_attn_reference(q, k, v, cu_q, cu_k, max_q, max_k, enable_gqa=True, score_mod=direct)
+    finite = torch.isfinite(want[1])
+    assert torch.equal(finite, torch.isfinite(got[1]))
+    assert torch.allclose(got[0], want[0], rtol=0, atol=1e-12) and torch.allclose(got[1][finite], want[1][finite])
