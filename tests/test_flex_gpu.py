@@ -390,3 +390,24 @@ def test_the_reference_runs_a_function_that_needs_vmap_on_the_gpu():
     finite = torch.isfinite(want[1])
     assert torch.equal(finite, torch.isfinite(got[1]))
     assert torch.allclose(got[0], want[0], rtol=0, atol=1e-12) and torch.allclose(got[1][finite], want[1][finite])
+
+
+@pytest.mark.skipif(CPU, reason="the kernels under torch.compile")
+def test_flex_attention_with_variants_compiles_into_one_graph():
+    """torch.compile(fullgraph=True): flex_attention's own code and varlen_attn's op with a traced
+    score_mod and mask_mod, forward and backward, give the eager results."""
+    len_q, len_k = LENGTHS[1]
+    q, k, v = dense_inputs(BF16, 128, 2, len_q, len_k, seed=37, requires_grad=True)
+    mask = jitattn.create_block_mask(prefix_lm(), BATCH, None, len_q, len_k, device=DEVICE)
+    bias = alibi()
+
+    def attend(q, k, v):
+        return jitattn.flex_attention(q, k, v, score_mod=bias, block_mask=mask, enable_gqa=True)
+
+    eager = attend(q, k, v)
+    eager_grads = torch.autograd.grad(eager.float().square().sum(), (q, k, v))
+    compiled = torch.compile(attend, fullgraph=True)(q, k, v)
+    compiled_grads = torch.autograd.grad(compiled.float().square().sum(), (q, k, v))
+    assert torch.equal(compiled, eager)
+    for got, want in zip(compiled_grads, eager_grads):
+        close(got, want.double(), *TOL[BF16], "compiled gradient")
