@@ -31,6 +31,9 @@ __all__ = [
     "single_decode_with_kv_cache",
     "varlen_attn",
     "varlen_attn_out",
+    "flex_attention",
+    "create_block_mask",
+    "BlockMask",
     "activate",
     "restore",
 ]
@@ -39,6 +42,9 @@ _LAZY = {
     "varlen_attn": "jitattn.varlen.api",
     "varlen_attn_out": "jitattn.varlen.api",
     "AuxRequest": "jitattn.varlen.checks",
+    "flex_attention": "jitattn.flex",
+    "create_block_mask": "jitattn.flex",
+    "BlockMask": "jitattn.flex",
 }
 
 

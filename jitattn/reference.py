@@ -5,8 +5,10 @@ They implement the contracts in shared/spec/ literally, with no tiling or tricks
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -95,6 +97,8 @@ def varlen_attn_reference(
     seqused_k: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
     softcap: float | None = None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
     compute_dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [T_q, H_q, D] in compute_dtype, lse [H_q, T_q] natural log) for shared/spec/varlen.md.
@@ -107,6 +111,12 @@ def varlen_attn_reference(
     attend c iff (left < 0 or c >= r + Lk - Lq - left) and (right < 0 or c <= r + Lk - Lq + right).
     Rows with no key to attend, and query rows past cu_seq_q[-1], output zeros and lse = -inf.
     softcap (None or 0: none): logits softcap * tanh(scale * q.k / softcap) before the mask.
+    score_mod(score, b, h, q_idx, kv_idx) / mask_mod(b, h, q_idx, kv_idx) (FlexAttention's
+    signatures, issue 46): b is the sequence, h the query head, kv_idx the key's position in its
+    sequence and q_idx = r + Lk - Lq (bottom-right aligned, as the windows). score_mod's score is
+    scale * q.k and its result replaces it (a soft cap then caps that result); mask_mod's False, a
+    window's exclusion and a score of -inf all hide the key. Both are called on broadcast index
+    tensors (`evaluate_mod`), so the functions FlexAttention users write work unchanged.
     max_q / max_k and enable_gqa are accepted for signature parity and not used.
     """
     del max_q, max_k, enable_gqa
@@ -139,6 +149,10 @@ def varlen_attn_reference(
         kd = k.to(device=device, dtype=compute_dtype).repeat_interleave(group, dim=1)  # [Lk, H_q, D]
         vd = v.to(device=device, dtype=compute_dtype).repeat_interleave(group, dim=1)
         logits = torch.einsum("qhd,khd->hqk", qd, kd) * scale  # [H_q, Lq, Lk]
+        positions = (_positions(i, num_heads_q, len_q, len_k, device)
+                     if score_mod is not None or mask_mod is not None else None)
+        if score_mod is not None:
+            logits = evaluate_mod(score_mod, "score_mod", (logits, *positions), logits.shape).to(compute_dtype)
         if softcap:
             logits = softcap * torch.tanh(logits / softcap)
         r = torch.arange(len_q, device=device)[:, None]
@@ -148,11 +162,87 @@ def varlen_attn_reference(
             allowed &= col >= r + len_k - len_q - left
         if right >= 0:
             allowed &= col <= r + len_k - len_q + right
+        allowed = allowed.expand(num_heads_q, len_q, len_k)
+        if mask_mod is not None:
+            visible = evaluate_mod(mask_mod, "mask_mod", positions, allowed.shape)
+            if visible.dtype != torch.bool:
+                raise TypeError(f"mask_mod must return a bool tensor, got {visible.dtype}")
+            allowed = allowed & visible
+        if score_mod is not None:
+            # a score_mod's -inf hides the key like a mask (and, masked, passes no NaN gradient)
+            allowed = allowed & ~torch.isneginf(logits.detach())
         logits = logits.masked_fill(~allowed, float("-inf"))
         row_lse = torch.logsumexp(logits, dim=-1)  # [H_q, Lq]; -inf where a row has no key
         finite = torch.isfinite(row_lse)
         probs = torch.exp(logits - torch.where(finite, row_lse, 0.0)[..., None])
-        probs = torch.where(allowed[None] & finite[..., None], probs, 0.0)
+        probs = torch.where(allowed & finite[..., None], probs, 0.0)
         out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, vd)
         lse[:, q0:q1] = row_lse
     return out, lse
+
+
+def _positions(seq: int, num_heads: int, len_q: int, len_k: int, device) -> tuple[torch.Tensor, ...]:
+    """(b, h, q_idx, kv_idx) of sequence `seq` as int64 tensors that broadcast to (H_q, Lq, Lk):
+    b 0-d, h (H_q, 1, 1), q_idx (1, Lq, 1) bottom-right aligned (r + Lk - Lq), kv_idx (1, 1, Lk)."""
+    b = torch.tensor(seq, device=device)
+    h = torch.arange(num_heads, device=device).view(-1, 1, 1)
+    q_idx = (torch.arange(len_q, device=device) + (len_k - len_q)).view(1, -1, 1)
+    kv_idx = torch.arange(len_k, device=device).view(1, 1, -1)
+    return b, h, q_idx, kv_idx
+
+
+def evaluate_mod(fn: Callable, name: str, args: tuple, shape: torch.Size) -> torch.Tensor:
+    """fn(*args) over every (h, q_idx, kv_idx) of one sequence, as a tensor of `shape`.
+
+    FlexAttention's functions are written for scalar indices. Called on broadcast index tensors
+    most of them (arithmetic, torch.where, `bias[h, q_idx - kv_idx]`, `doc_id[q_idx]`) already
+    compute every element at once. One that does not broadcast (`bias[h][q_idx]` indexes bias's
+    first dim twice) raises or gives a result of another shape: that one runs under torch.vmap,
+    as torch's own math reference runs them all (torch/_higher_order_ops/flex_attention.py).
+    """
+    device = args[-1].device
+    try:
+        with _BoundsCheckedIndexing():
+            result = torch.as_tensor(fn(*args), device=device)
+        if result.dim() <= len(shape):
+            return torch.broadcast_to(result, shape)
+    except (IndexError, RuntimeError, ValueError):
+        pass  # the vmap below runs it again and raises its error if it is one
+    result = _vmapped(fn, args)
+    if result.shape != shape:
+        raise ValueError(f"{name} must return one value per (b, h, q_idx, kv_idx); under torch.vmap it "
+                         f"returned shape {tuple(result.shape)} for {tuple(shape)} positions")
+    return result
+
+
+class _BoundsCheckedIndexing(TorchFunctionMode):
+    """`captured[i0, i1, ...]` with index tensors raises IndexError when an index is out of range,
+    read on the host first: on a GPU the indexing itself would fail by a device-side assert, which
+    ends the process, so the broadcast attempt of a function that needs vmap could not fall back."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__:
+            tensor, index = args[0], args[1]
+            index = index if isinstance(index, tuple) else (index,)
+            if all(isinstance(i, (int, torch.Tensor)) and not isinstance(i, bool) for i in index):
+                for dim, i in enumerate(index[: tensor.dim()]):
+                    if isinstance(i, torch.Tensor) and i.numel() and i.dtype != torch.bool:
+                        size = tensor.shape[dim]
+                        if int(i.min()) < -size or int(i.max()) >= size:
+                            raise IndexError(f"index out of range for dim {dim} of size {size}")
+        return func(*args, **(kwargs or {}))
+
+
+def _vmapped(fn: Callable, args: tuple) -> torch.Tensor:
+    """fn under three nested torch.vmap (over h, q_idx, kv_idx; b is one sequence's 0-d index),
+    with torch's rewrite of `tensor[index_tensor]` that vmap needs (TransformGetItemToIndex)."""
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+
+    *score, b, h, q_idx, kv_idx = args
+    score_dims = (0,) if score else ()
+    mapped = fn
+    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None)):
+        mapped = torch.vmap(mapped, in_dims=score_dims + dims)
+    with TransformGetItemToIndex():
+        result = mapped(*score, b, h.flatten(), q_idx.flatten(), kv_idx.flatten())
+    return result
