@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from jitattn.variants.tree import Variant, const_value
+from jitattn.variants.tree import Variant, const_value, derived_variant
 
 ONE, ZERO, HALF = ("const", 1.0), ("const", 0.0), ("const", 0.5)
 LN2 = ("const", math.log(2.0))
@@ -168,4 +168,4 @@ def derivative(v: Variant) -> Variant:
     reference_score and the renderer apply to it unchanged."""
     if v.kind != "score_mod":
         raise ValueError(f"derivative takes a score_mod variant, got a {v.kind}")
-    return Variant("score_mod", _zero(d(v.tree)), v.captures, v.tensors)
+    return derived_variant("score_mod", _zero(d(v.tree)), v.captures, v.tensors)

@@ -17,7 +17,7 @@ The renderer (render.py) emits the same walk as C++ calls of the helpers these f
 """
 from __future__ import annotations
 
-from jitattn.variants.tree import INT32_MAX, INT32_MIN, Variant, children, const_value, node_key, node_type, walk
+from jitattn.variants.tree import INT32_MAX, INT32_MIN, Shared, Variant, children, const_value
 
 FULL_INT = (INT32_MIN, INT32_MAX)
 UNKNOWN_BOOL = (True, True)
@@ -193,10 +193,10 @@ def abstract(v: Variant, b: int, kv_head: int, pack: int, q_lo: int, q_hi: int, 
     tensors = v.tensors if tensors is None else tuple(tensors)
     args = {"b": iv_exact(b), "h": (kv_head * pack, kv_head * pack + pack - 1), "q_idx": (q_lo, q_hi),
             "kv_idx": (kv_lo, kv_hi)}
-    values = {}
-    for node in walk(v.tree):
-        op, kind = node[0], node_type(node, v.captures)
-        kids = [values[node_key(c)] for c in children(node)]
+    shared, values = Shared(v.tree, v.captures), []
+    for node, kind in zip(shared.nodes, shared.types):
+        op = node[0]
+        kids = [values[shared.number(c)] for c in children(node)]
         if op == "arg":
             value = args[node[1]]
         elif op == "const":
@@ -213,16 +213,16 @@ def abstract(v: Variant, b: int, kv_head: int, pack: int, q_lo: int, q_hi: int, 
                 value = iv_exact(element) if kind == "int" else iv_bool(element)
         elif kind == "float":
             value = FLOAT
-        elif any(child == FLOAT for child, c in zip(kids, children(node)) if node_type(c, v.captures) == "float"):
+        elif any(shared.type(c) == "float" for c in children(node)):
             value = UNKNOWN_BOOL  # a comparison of floats
         elif kind == "int":
             value = INT_HELPERS[op](*kids)
-        elif op in ("eq", "ne") and node_type(node[1], v.captures) == "bool":
+        elif op in ("eq", "ne") and shared.type(node[1]) == "bool":
             value = (iv_beq if op == "eq" else iv_bne)(*kids)
         else:
             value = BOOL_HELPERS[op](*kids)
-        values[node_key(node)] = value
-    return values[node_key(v.tree)]
+        values.append(value)
+    return values[shared.number(v.tree)]
 
 
 def classify(v: Variant, b: int, kv_head: int, pack: int, q_lo: int, q_hi: int, kv_lo: int, kv_hi: int,

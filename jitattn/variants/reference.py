@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from jitattn.variants.tree import ARGS, Variant, children, const_value, node_key, walk
+from jitattn.variants.tree import ARGS, Shared, Variant, children, const_value
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -69,9 +69,9 @@ def evaluate(v: Variant, args: dict, tensors=None) -> torch.Tensor:
     if len(tensors) != len(v.captures):
         raise ValueError(f"the variant has {len(v.captures)} captures, {len(tensors)} tensors were given")
     device = next(iter(args.values())).device
-    values = {}
-    for node in walk(v.tree):
-        op, kids = node[0], [values[node_key(c)] for c in children(node)]
+    shared, values = Shared(v.tree, v.captures), []
+    for node in shared.nodes:
+        op, kids = node[0], [values[shared.number(c)] for c in children(node)]
         if op == "arg":
             value = args[node[1]]
         elif op == "const":
@@ -104,8 +104,8 @@ def evaluate(v: Variant, args: dict, tensors=None) -> torch.Tensor:
             value = kids[0].to(torch.float64)
         else:
             value = _FLOAT_FUNCTIONS[op](kids[0])
-        values[node_key(node)] = value
-    return values[node_key(v.tree)]
+        values.append(value)
+    return values[shared.number(v.tree)]
 
 
 def reference_score(v: Variant, scores, b, h, q_idx, kv_idx, tensors=None) -> torch.Tensor:

@@ -12,7 +12,7 @@ import math
 import struct
 
 from jitattn.variants.derivative import derivative
-from jitattn.variants.tree import INT32_MIN, Variant, children, const_value, node_key, node_type
+from jitattn.variants.tree import INT32_MIN, Shared, Variant, children, const_value
 
 NS = "jitattn_variant::"
 CTYPE = {"float": "float", "int": "int", "bool": "bool"}
@@ -58,11 +58,17 @@ class _Emitter:
     """Emits SSA lines for nodes of one variant, each distinct node once. ``defs`` maps a node
     key to (type, expression) for values defined on first use (arguments, reused forward values)."""
 
-    def __init__(self, captures: tuple, prefix: str, indent: str = "    "):
-        self.captures, self.prefix, self.indent = captures, prefix, indent
+    def __init__(self, shared: Shared, prefix: str, indent: str = "    "):
+        self.shared, self.captures, self.prefix, self.indent = shared, shared.captures, prefix, indent
         self.lines: list[str] = []
-        self.names: dict[str, str] = {}
-        self.defs: dict[str, tuple] = {}
+        self.names: dict[int, str] = {}
+        self.defs: dict[int, tuple] = {}
+
+    def key(self, node: tuple) -> int:
+        return self.shared.number(node)
+
+    def type(self, node: tuple) -> str:
+        return self.shared.type(node)
 
     def define(self, ctype: str, expression: str) -> str:
         name = f"{self.prefix}{len(self.lines)}"
@@ -70,7 +76,7 @@ class _Emitter:
         return name
 
     def value(self, node: tuple) -> str:
-        key = node_key(node)
+        key = self.key(node)
         if key in self.names:
             return self.names[key]
         if key in self.defs:
@@ -81,7 +87,7 @@ class _Emitter:
         elif node[0] == "const":
             return literal(const_value(node[1]))
         else:
-            kind = node_type(node, self.captures)
+            kind = self.type(node)
             name = self.define(CTYPE[kind], self._expression(node, kind))
         self.names[key] = name
         return name
@@ -93,7 +99,7 @@ class _Emitter:
             indices = "".join(", " + self.value(i) for i in node[2:])
             return f"{NS}load_{dtype}(caps[{node[1]}]{indices})"
         args = [self.value(c) for c in children(node)]
-        operand = node_type(node[1], self.captures) if len(node) > 1 else kind
+        operand = self.type(node[1])
         if op == "div":
             divisor = node[2]
             if divisor[0] == "const":  # a constant divisor: multiply by its reciprocal (within an ulp)
@@ -127,14 +133,14 @@ class _IntervalEmitter(_Emitter):
     """Emits classify's abstract values: variant.cuh's iv_* calls over the same nodes."""
 
     def value(self, node: tuple) -> str:
-        key = node_key(node)
+        key = self.key(node)
         if key in self.names:
             return self.names[key]
         if key in self.defs:
             ctype, expression = self.defs[key]
         else:
-            ctype = IV_CTYPE[node_type(node, self.captures)]
-            expression = self._abstract(node, node_type(node, self.captures))
+            ctype = IV_CTYPE[self.type(node)]
+            expression = self._abstract(node, self.type(node))
         name = self.define(ctype, expression)
         self.names[key] = name
         return name
@@ -153,10 +159,10 @@ class _IntervalEmitter(_Emitter):
             if kind == "int":
                 return f"({exact}) ? {NS}iv_exact({read}) : {NS}iv_full()"
             return f"({exact}) ? {NS}iv_bool({read}) : {NS}iv_unknown()"
-        args = [self.value(c) for c in children(node)]
-        operand = node_type(node[1], self.captures)
-        if op in COMPARE and operand == "float":
+        operand = self.type(node[1])
+        if op in COMPARE and operand == "float":  # floats are not tracked (their operands are not emitted)
             return NS + "iv_unknown()"
+        args = [self.value(c) for c in children(node)]
         if op in ("eq", "ne") and operand == "bool":
             op = "beq" if op == "eq" else "bne"
         elif op == "where" and kind == "bool":
@@ -169,7 +175,7 @@ def _body(emitter: _Emitter) -> str:
 
 
 def _forward_chain(tree: tuple, root_name: str):
-    """(node key, expression) of nodes recoverable from the forward's value by undoing constant
+    """(node, expression) of nodes recoverable from the forward's value by undoing constant
     affine steps from the root down (root = c * tanh(...) gives tanh(...) = root / c)."""
     chain, node, name = [], tree, root_name
     while True:
@@ -194,7 +200,7 @@ def _forward_chain(tree: tuple, root_name: str):
             else:
                 return chain
             node = other
-        chain.append((node_key(node), expression))
+        chain.append((node, expression))
         name = f"({expression})"
 
 
@@ -206,15 +212,15 @@ def render_score_mod(v: Variant, qualifiers: str = "__device__ __forceinline__")
     dscore(s, sc, ...) = f'(scale * s), sharing what it can with sc (score()'s value)."""
     if not isinstance(v, Variant) or v.kind != "score_mod":
         raise TypeError("render_score_mod takes a score_mod Variant")
-    score = _Emitter(v.captures, "t")
-    score.defs[node_key(("arg", "score"))] = ("float", "s * scale")
+    score = _Emitter(Shared(v.tree, v.captures), "t")
+    score.defs[score.key(("arg", "score"))] = ("float", "s * scale")
     result = score.value(v.tree)
     slope = derivative(v).tree
-    dscore = _Emitter(v.captures, "d")
-    dscore.defs[node_key(("arg", "score"))] = ("float", "s * scale")
-    dscore.defs[node_key(v.tree)] = ("float", "sc * scale")
-    for key, expression in _forward_chain(v.tree, "sc * scale"):
-        dscore.defs.setdefault(key, ("float", expression))
+    dscore = _Emitter(Shared(slope, v.captures), "d")
+    dscore.defs[dscore.key(("arg", "score"))] = ("float", "s * scale")
+    dscore.defs[dscore.key(v.tree)] = ("float", "sc * scale")
+    for node, expression in _forward_chain(v.tree, "sc * scale"):
+        dscore.defs.setdefault(dscore.key(node), ("float", expression))
     slope_value = dscore.value(slope)
     caps = "caps(p.captures), " if v.captures else "caps(nullptr), "
     return (
@@ -241,15 +247,15 @@ def render_mask_mod(v: Variant, qualifiers: str = "__device__ __forceinline__") 
     interval analysis of interval.py (sound: EMPTY and FULL only where certain)."""
     if not isinstance(v, Variant) or v.kind != "mask_mod":
         raise TypeError("render_mask_mod takes a mask_mod Variant")
-    visible = _Emitter(v.captures, "t")
+    visible = _Emitter(Shared(v.tree, v.captures), "t")
     result = visible.value(v.tree)
-    tile = _IntervalEmitter(v.captures, "v")
+    tile = _IntervalEmitter(Shared(v.tree, v.captures), "v")
     tile.defs.update({
-        node_key(("arg", "b")): (IV_CTYPE["int"], f"{NS}iv_exact(b)"),
-        node_key(("arg", "h")): (IV_CTYPE["int"], f"{NS}IInt{{(long long)kv_head * pack, "
+        tile.key(("arg", "b")): (IV_CTYPE["int"], f"{NS}iv_exact(b)"),
+        tile.key(("arg", "h")): (IV_CTYPE["int"], f"{NS}IInt{{(long long)kv_head * pack, "
                                                   f"(long long)kv_head * pack + pack - 1}}"),
-        node_key(("arg", "q_idx")): (IV_CTYPE["int"], f"{NS}IInt{{q_lo, q_hi}}"),
-        node_key(("arg", "kv_idx")): (IV_CTYPE["int"], f"{NS}IInt{{kv_lo, kv_hi}}"),
+        tile.key(("arg", "q_idx")): (IV_CTYPE["int"], f"{NS}IInt{{q_lo, q_hi}}"),
+        tile.key(("arg", "kv_idx")): (IV_CTYPE["int"], f"{NS}IInt{{kv_lo, kv_hi}}"),
     })
     verdict = tile.value(v.tree)
     caps = "caps(p.captures), " if v.captures else "caps(nullptr), "

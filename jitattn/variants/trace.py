@@ -22,7 +22,7 @@ import weakref
 import torch
 
 from jitattn.variants.tree import (ARGS, CAPTURE_DTYPES, INT32_MAX, INT32_MIN, MAX_CAPTURE_NDIM, MAX_CAPTURES,
-                                   Variant, VariantError, node_type)
+                                   Shared, Variant, VariantError)
 
 SUPPORTED = ("+, -, *, / (true division), // and % (ints), ** by an int 0..8, comparisons, & | ~ on bools, "
              "unary -, abs(), torch.where, torch.exp, torch.exp2, torch.log, torch.tanh, torch.sigmoid, "
@@ -42,6 +42,8 @@ class _Tracer:
         self.kind = kind
         self.slots: dict[int, int] = {}
         self.tensors: list[torch.Tensor] = []
+        self.table: list[tuple] = []
+        self.shared = Shared(None, self.table)  # the types of the nodes made so far
 
     def refuse(self, what: str) -> VariantError:
         return VariantError(f"{self.kind} uses {what}, which jitattn variants do not support; supported: {SUPPORTED}")
@@ -60,13 +62,14 @@ class _Tracer:
             raise VariantError(f"{self.kind} captures more than {MAX_CAPTURES} tensors")
         self.slots[id(tensor)] = len(self.tensors)
         self.tensors.append(tensor)
+        self.table.append((dtype, tensor.dim()))
         return self.slots[id(tensor)]
 
     def captures(self) -> tuple:
-        return tuple((_dtype_name(t), t.dim()) for t in self.tensors)
+        return tuple(self.table)
 
     def sym(self, node: tuple) -> "Sym":
-        return Sym(self, node, node_type(node, self.captures()))
+        return Sym(self, node, self.shared.type(node))
 
     def lift(self, value) -> "Sym":
         """A proxy for an operand: a proxy, a Python number, or a 0-d captured tensor."""

@@ -210,8 +210,8 @@ class Variant:
 
     def __post_init__(self):
         captures = check_captures(self.captures)
+        check_tree(self.kind, self.tree, captures)  # bounded first: a DAG cannot expand past it
         tree = _as_tuples(self.tree)
-        check_tree(self.kind, tree, captures)
         if self.tensors and len(self.tensors) != len(captures):
             raise VariantError(f"{len(self.tensors)} captured tensors for {len(captures)} capture slots")
         object.__setattr__(self, "captures", captures)
@@ -261,12 +261,6 @@ def parse_tree(text: str, kind: str) -> Variant:
         raise VariantError(f"the tree is deeper than {MAX_DEPTH} levels") from None
 
 
-def node_key(node: tuple) -> str:
-    """A node's identity for sharing: its repr, which (unlike tuple equality) tells 1, 1.0 and
-    True apart."""
-    return repr(node)
-
-
 def children(node: tuple) -> tuple:
     """The child nodes of a node (a load's indices; none for leaves)."""
     if node[0] == "load":
@@ -274,30 +268,63 @@ def children(node: tuple) -> tuple:
     return () if node[0] in ("arg", "const") else node[1:]
 
 
-def walk(tree: tuple):
-    """Every node of ``tree``, children before parents (each distinct node once)."""
-    seen, order = set(), []
+class Shared:
+    """The distinct nodes of a valid tree, children first, each numbered once, with its type.
 
-    def visit(node):
-        key = node_key(node)
-        if key in seen:
-            return
-        for child in children(node):
-            visit(child)
-        seen.add(key)
-        order.append(node)
+    Equal subtrees (same ops, constants of the same type and value: 1, 1.0 and True differ)
+    share a number, and a subtree reached many times (traces and derivatives are DAGs in memory)
+    is visited once, so the work is linear in distinct nodes, never in the expanded tree."""
 
-    visit(tree)
-    return order
+    def __init__(self, tree, captures):
+        self.captures = captures
+        self.nodes: list = []
+        self.types: list = []
+        self._numbers: dict = {}
+        self._by_id: dict = {}
+        self._alive: list = []  # the nodes behind _by_id, so their ids stay theirs
+        if tree is not None:
+            self.number(tree)
+
+    def number(self, node: tuple) -> int:
+        known = self._by_id.get(id(node))
+        if known is not None:
+            return known
+        kids = tuple(self.number(child) for child in children(node))
+        op = node[0]
+        if op == "const":
+            structural = ("const", type(node[1]).__name__, repr(node[1]))
+            kind = const_type(node[1])
+        elif op == "arg":
+            structural, kind = ("arg", node[1]), "float" if node[1] == "score" else "int"
+        elif op == "load":
+            structural, kind = ("load", node[1], kids), CAPTURE_DTYPES[self.captures[node[1]][0]]
+        else:
+            structural, kind = (op, kids), _result_type(op, [self.types[k] for k in kids])
+            if kind is None:
+                raise VariantError(f"{op} does not take operands of types "
+                                   f"({', '.join(self.types[k] for k in kids)})")
+        number = self._numbers.get(structural)
+        if number is None:
+            number = self._numbers[structural] = len(self.nodes)
+            self.nodes.append(node)
+            self.types.append(kind)
+        self._by_id[id(node)] = number
+        self._alive.append(node)
+        return number
+
+    def type(self, node: tuple) -> str:
+        return self.types[self.number(node)]
 
 
-def node_type(node: tuple, captures: tuple) -> str:
-    """The type of a node of a valid tree (no re-validation of its children's bounds)."""
-    op = node[0]
-    if op == "arg":
-        return "float" if node[1] == "score" else "int"
-    if op == "const":
-        return const_type(node[1])
-    if op == "load":
-        return CAPTURE_DTYPES[captures[node[1]][0]]
-    return _result_type(op, [node_type(child, captures) for child in node[1:]])
+def derived_variant(kind: str, tree: tuple, captures: tuple, tensors: tuple = ()) -> Variant:
+    """A Variant of a tree jitattn built itself from a valid one (a derivative): typed like any
+    other, but not held to MAX_DEPTH / MAX_NODES, which bound trees that come from outside (its
+    expanded form may be larger than its DAG)."""
+    shared = Shared(tree, captures)
+    wanted = "float" if kind == "score_mod" else "bool"
+    if shared.type(tree) != wanted:
+        raise VariantError(f"a {kind} must give a {wanted}, this tree gives a {shared.type(tree)}")
+    v = object.__new__(Variant)
+    for name, value in (("kind", kind), ("tree", tree), ("captures", captures), ("tensors", tuple(tensors))):
+        object.__setattr__(v, name, value)
+    return v
