@@ -482,3 +482,20 @@ def test_random_valid_trees_round_trip_and_any_single_corruption_is_caught_or_st
             parse_tree(corrupted, kind)
         except VariantError:
             pass
+
+
+def test_a_trace_that_shares_subtrees_is_bounded_by_its_expanded_size_without_expanding_it():
+    def squares(n):
+        def fn(s, b, h, q, kv):
+            for _ in range(n):
+                s = s * s
+            return s
+        return fn
+    assert trace_score_mod(squares(9)).tree[0] == "mul"  # 1023 nodes expanded: within the bound
+    with pytest.raises(VariantError, match="more than 1024 nodes"):
+        trace_score_mod(squares(40))  # 2**41 nodes expanded at depth 41: refused at once, never walked
+
+
+def test_torch_where_takes_its_keyword_names():
+    v = trace_score_mod(lambda s, b, h, q, kv: torch.where(condition=q >= kv, input=s, other=0.0))
+    assert v.tree == ("where", ("ge", Q, KV), S, ("const", 0.0))

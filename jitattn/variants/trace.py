@@ -160,9 +160,9 @@ def _unary(op: str, x) -> "Sym":
     return tracer.sym((op, x.node))
 
 
-def _where(cond, a, b) -> "Sym":
-    tracer = _tracer_of(cond, a, b)
-    cond, a, b = tracer.lift(cond), tracer.lift(a), tracer.lift(b)
+def _where(condition, input, other) -> "Sym":  # torch.where's own parameter names
+    tracer = _tracer_of(condition, input, other)
+    cond, a, b = tracer.lift(condition), tracer.lift(input), tracer.lift(other)
     if cond.type != "bool":
         raise VariantError(f"{tracer.kind} uses torch.where with a non-bool condition")
     if a.type != b.type:

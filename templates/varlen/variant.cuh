@@ -1,8 +1,8 @@
 // Device helpers for user variants: the code jitattn/variants/render.py emits for a score_mod /
 // mask_mod calls only these (and plain C++ operators on its own SSA values).
 //
-// - Captures: a captured tensor is a Capture (pointer, strides, sizes; unused dims have size 1,
-//   stride 0). A read outside [0, size) in any dim gives 0 (false for bool): no fault, whatever
+// - Captures: a captured tensor is a Capture (data pointer, strides in elements, sizes; the dims
+//   past its ndim have size 1, stride 0; a 0-d tensor has them all so). A read outside [0, size) in any dim gives 0 (false for bool): no fault, whatever
 //   the index expression computes. int64 captures are read modulo 2^32, like every int here.
 // - Ints are 32-bit and wrap (iadd/isub/imul/ineg through unsigned: defined behaviour); // and %
 //   follow Python (floor), and give 0 for a zero divisor.
