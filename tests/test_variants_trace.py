@@ -174,6 +174,7 @@ REFUSED = [
     ("torch.sin", lambda s, b, h, q, kv: torch.sin(s)),
     ("Tensor.cos", lambda s, b, h, q, kv: s.cos()),
     ("torch.softmax", lambda s, b, h, q, kv: torch.softmax(s, 0)),
+    ("torch.nn.functional.relu", lambda s, b, h, q, kv: torch.nn.functional.relu(s)),
     ("xor", lambda s, b, h, q, kv: torch.where((q > 1) ^ (kv > 1), s, 0.0)),
     ("bitwise", lambda s, b, h, q, kv: torch.where((q & 1) == 0, s, 0.0)),
     ("torch.where", lambda s, b, h, q, kv: torch.where(q, s, 0.0)),
@@ -499,3 +500,12 @@ def test_a_trace_that_shares_subtrees_is_bounded_by_its_expanded_size_without_ex
 def test_torch_where_takes_its_keyword_names():
     v = trace_score_mod(lambda s, b, h, q, kv: torch.where(condition=q >= kv, input=s, other=0.0))
     assert v.tree == ("where", ("ge", Q, KV), S, ("const", 0.0))
+
+
+def test_numpy_scalars_are_constants_like_python_numbers():
+    import numpy as np
+
+    v = trace_score_mod(lambda s, b, h, q, kv: np.float32(2.0) * s + np.int64(3))
+    assert v.tree == ("add", ("mul", ("const", 2.0), S), ("const", 3.0))
+    m = trace_mask_mod(lambda b, h, q, kv: (q >= kv) & np.bool_(True))
+    assert m.tree == ("and", ("ge", Q, KV), ("const", True))

@@ -175,31 +175,27 @@ def _body(emitter: _Emitter) -> str:
 
 
 def _forward_chain(tree: tuple, root_name: str):
-    """(node, expression) of nodes recoverable from the forward's value by undoing constant
-    affine steps from the root down (root = c * tanh(...) gives tanh(...) = root / c)."""
+    """(node, expression) of nodes recoverable from the forward's value by undoing products with
+    constants from the root down (root = c * tanh(...) gives tanh(...) = root / c). Sums are not
+    undone: root - c loses the small part of root to cancellation."""
     chain, node, name = [], tree, root_name
     while True:
         op = node[0]
-        consts = [i for i, c in enumerate(node[1:3], 1) if c[0] == "const" and math.isfinite(float(const_value(c[1])))] \
-            if op in ("add", "sub", "mul", "div") else []
         if op == "neg":
             node, expression = node[1], f"-{name}"
-        elif len(consts) != 1:
-            return chain
-        else:
-            c = float(const_value(node[consts[0]][1]))
-            other = node[3 - consts[0]]
-            if op == "mul" and c != 0:
-                expression = f"{name} * {float_literal(1.0 / c)}"
-            elif op == "div" and consts[0] == 2 and c != 0:
-                expression = f"{name} * {float_literal(c)}"
-            elif op == "add":
-                expression = f"{name} - {float_literal(c)}"
-            elif op == "sub":
-                expression = f"{name} + {float_literal(c)}" if consts[0] == 2 else f"{float_literal(c)} - {name}"
-            else:
+        elif op == "mul" and [c[0] for c in node[1:]].count("const") == 1:
+            i = 1 if node[1][0] == "const" else 2
+            c = float(const_value(node[i][1]))
+            if c == 0 or not math.isfinite(c):
                 return chain
-            node = other
+            node, expression = node[3 - i], f"{name} * {float_literal(1.0 / c)}"
+        elif op == "div" and node[2][0] == "const" and node[1][0] != "const":
+            c = float(const_value(node[2][1]))
+            if c == 0 or not math.isfinite(c):
+                return chain
+            node, expression = node[1], f"{name} * {float_literal(c)}"
+        else:
+            return chain
         chain.append((node, expression))
         name = f"({expression})"
 

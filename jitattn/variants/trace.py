@@ -77,6 +77,8 @@ class _Tracer:
             return value
         if isinstance(value, (bool, numbers.Number)) and not isinstance(value, torch.Tensor):
             return self.sym(("const", _constant(self, value)))
+        if not isinstance(value, torch.Tensor) and getattr(value, "shape", None) == () and hasattr(value, "item"):
+            return self.lift(value.item())  # a numpy scalar
         if isinstance(value, torch.Tensor):
             if value.dim() != 0:
                 raise VariantError(f"{self.kind} uses a captured tensor of shape {tuple(value.shape)} as a value; "
@@ -89,8 +91,8 @@ class _Tracer:
 
 
 def _constant(tracer: _Tracer, value):
-    if isinstance(value, bool) or (hasattr(value, "dtype") and str(getattr(value, "dtype")) == "bool"):
-        return bool(value)
+    if isinstance(value, bool):
+        return value
     if isinstance(value, numbers.Integral):
         value = int(value)
         if not INT32_MIN <= value <= INT32_MAX:
@@ -276,11 +278,15 @@ for _functions, _handler in [
 
 
 def _function_name(func) -> str:
-    name = getattr(func, "__name__", repr(func))
-    module = getattr(func, "__module__", None) or ""
-    if getattr(func, "__objclass__", None) is not None or module.startswith("torch._C") and "Tensor" in repr(func):
+    """How a user wrote ``func``: torch.sin, Tensor.cos, torch.nn.functional.relu."""
+    name = getattr(func, "__name__", None) or repr(func)
+    qualname = getattr(func, "__qualname__", "") or ""
+    if getattr(func, "__objclass__", None) is not None or qualname.startswith(("Tensor.", "TensorBase.")):
         return f"Tensor.{name}"
-    return f"torch.{name}" if not module or module.startswith("torch") else f"{module}.{name}"
+    module = getattr(func, "__module__", None) or "torch"
+    if module.startswith("torch._C") or module in ("torch.functional", "torch._tensor"):
+        module = "torch"
+    return f"{module}.{name}"
 
 
 def _tracer_of(*values) -> _Tracer:
@@ -324,6 +330,8 @@ class _Indexed:
         return self.tracer.sym(("load", self.slot, *indices))
 
     def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
         raise VariantError(f"{self.tracer.kind} uses .{name} of a partly indexed captured tensor "
                            f"({len(self.indices)} of {self.ndim} dims): index all dims first")
 
@@ -368,7 +376,11 @@ class Sym:
 
     __float__ = __int__
 
+    __array_ufunc__ = None  # numpy scalars defer to our reflected operators
+
     def __getattr__(self, name):
+        if name.startswith("__"):  # protocol probes (numpy, copy, ...) get the usual answer
+            raise AttributeError(name)
         raise self.tracer.refuse(f"Tensor.{name}")
 
     def __add__(self, o): return _binary("add", "+", self, o)

@@ -34,6 +34,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
@@ -218,13 +219,13 @@ class Variant:
         object.__setattr__(self, "tree", tree)
         object.__setattr__(self, "tensors", tuple(self.tensors))
 
-    @property
+    @cached_property
     def key_text(self) -> str:
         """Compact, sorted JSON of kind, tree and captures: the canonical form hashed into keys."""
         return json.dumps({"kind": self.kind, "tree": self.tree, "captures": self.captures},
                           sort_keys=True, separators=(",", ":"), allow_nan=False)
 
-    @property
+    @cached_property
     def digest(self) -> str:
         """The first 12 hex digits of sha256(key_text), for spec names."""
         return hashlib.sha256(self.key_text.encode()).hexdigest()[:12]
