@@ -509,3 +509,13 @@ def test_numpy_scalars_are_constants_like_python_numbers():
     assert v.tree == ("add", ("mul", ("const", 2.0), S), ("const", 3.0))
     m = trace_mask_mod(lambda b, h, q, kv: (q >= kv) & np.bool_(True))
     assert m.tree == ("and", ("ge", Q, KV), ("const", True))
+
+
+def test_bind_attaches_matching_tensors_to_a_parsed_variant_and_refuses_others():
+    table = torch.randn(N_HEADS, TABLE)
+    parsed = parse_tree(trace(*acceptance_set()["bias_table"][:2]).key_text, "score_mod")
+    bound = parsed.bind([table])
+    assert bound == parsed and bound.tensors[0] is table and parsed.tensors == ()
+    for wrong in ([], [table.double()], [table[0]], [table, table]):
+        with pytest.raises(VariantError, match="capture|capture slots"):
+            parsed.bind(wrong)

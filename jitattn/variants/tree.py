@@ -213,11 +213,23 @@ class Variant:
         captures = check_captures(self.captures)
         check_tree(self.kind, self.tree, captures)  # bounded first: a DAG cannot expand past it
         tree = _as_tuples(self.tree)
-        if self.tensors and len(self.tensors) != len(captures):
-            raise VariantError(f"{len(self.tensors)} captured tensors for {len(captures)} capture slots")
+        _check_tensors(self.tensors, captures)
         object.__setattr__(self, "captures", captures)
         object.__setattr__(self, "tree", tree)
         object.__setattr__(self, "tensors", tuple(self.tensors))
+
+    def bind(self, tensors) -> "Variant":
+        """This variant with ``tensors`` as its captures (e.g. one parsed from a record, given
+        the call's tensors); each must match its slot's dtype and ndim."""
+        tensors = tuple(tensors)
+        if len(tensors) != len(self.captures):
+            raise VariantError(f"{len(tensors)} tensors for {len(self.captures)} capture slots")
+        _check_tensors(tensors, self.captures)
+        bound = object.__new__(Variant)
+        for name in ("kind", "tree", "captures"):
+            object.__setattr__(bound, name, getattr(self, name))
+        object.__setattr__(bound, "tensors", tensors)
+        return bound
 
     @cached_property
     def key_text(self) -> str:
@@ -235,6 +247,18 @@ class Variant:
 
     def __hash__(self):
         return hash(self.key_text)
+
+
+def _check_tensors(tensors, captures: tuple) -> None:
+    if not tensors:
+        return
+    if len(tensors) != len(captures):
+        raise VariantError(f"{len(tensors)} captured tensors for {len(captures)} capture slots")
+    for slot, (tensor, (dtype, ndim)) in enumerate(zip(tensors, captures)):
+        got = (str(getattr(tensor, "dtype", type(tensor).__name__)).removeprefix("torch."),
+               tensor.dim() if hasattr(tensor, "dim") else None)
+        if got != (dtype, ndim):
+            raise VariantError(f"capture {slot} must be a {ndim}-d {dtype} tensor, got {got[1]}-d {got[0]}")
 
 
 def parse_tree(text: str, kind: str) -> Variant:
