@@ -390,3 +390,47 @@ def test_a_host_build_of_the_rendered_code_agrees_with_the_mirror_and_the_refere
                 assert g == w, (v.key_text, s, w, g)
             else:
                 assert abs(g - w) <= 2e-5 * abs(w) + 2e-5 * max(1.0, abs(s * scale)), (v.key_text, s, w, g)
+
+
+@pytest.mark.compile
+def test_variant_math_helpers_are_accurate_to_a_few_ulp_on_the_host(tmp_path):
+    """vtanh (polynomial below 1/4, exp2 form above), vsigmoid, vexp and the floor division / modulo
+    helpers, built by nvcc for the host (where vexp2 is exp2f: the device's ex2.approx is the GPU
+    suite's to check), against float64 and Python."""
+    compiler = nvcc()
+    program = """#include "variant.cuh"
+#include <cstdio>
+int main() {
+  float x; int a, d;
+  while (scanf("%f %d %d", &x, &a, &d) == 3)
+    printf("%.9g %.9g %.9g %d %d\\n", jitattn_variant::vtanh(x), jitattn_variant::vsigmoid(x), jitattn_variant::vexp(x),
+           jitattn_variant::floordiv(a, d), jitattn_variant::mod(a, d));
+  return 0;
+}
+"""
+    (tmp_path / "math.cu").write_text(program)
+    built = subprocess.run([compiler, "-std=c++17", "-I", TEMPLATES, "math.cu", "-o", "math"], cwd=tmp_path,
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-3000:]
+    xs = torch.cat([torch.randn(3000) * 3, torch.randn(1000) * 0.2, torch.randn(500) * 1e-4,
+                    torch.tensor([0.0, -0.0, 0.25, -0.25, 0.2499999, 20.0, -20.0, 88.0, -100.0])]).tolist()
+    pairs = [(random.randint(-2 ** 31, 2 ** 31 - 1), random.choice([0, -1, 1, 7, -7, random.randint(-2 ** 31, 2 ** 31 - 1)]))
+             for _ in xs]
+    pairs[:3] = [(-2 ** 31, -1), (-2 ** 31, 0), (-7, 2)]
+    text = "\n".join(f"{x!r} {a} {d}" for x, (a, d) in zip(xs, pairs)) + "\n"
+    ran = subprocess.run([str(tmp_path / "math")], input=text, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0
+    rows = [line.split() for line in ran.stdout.splitlines()]
+    assert len(rows) == len(xs)
+    for x, (a, d), (tanh, sigmoid, exp, floordiv, mod) in zip(xs, pairs, rows):
+        x64 = torch.tensor(x, dtype=torch.float64)
+        ulp = lambda v: max(abs(v), 1e-30) * 2.0 ** -23  # noqa: E731
+        want = math.tanh(x)
+        assert abs(float(tanh) - want) <= 4 * ulp(want) + 1e-37, (x, tanh, want)
+        want = torch.sigmoid(x64).item()
+        assert abs(float(sigmoid) - want) <= 4 * ulp(want) + 1e-37, (x, sigmoid, want)
+        want = math.exp(x) if x < 88 else math.inf
+        assert abs(float(exp) - want) <= (4 + abs(x)) * ulp(want) or float(exp) == want, (x, exp, want)
+        want_div = 0 if d == 0 else (a // d + 2 ** 31) % 2 ** 32 - 2 ** 31
+        want_mod = 0 if d == 0 else a % d
+        assert (int(floordiv), int(mod)) == (want_div, want_mod), (a, d)
