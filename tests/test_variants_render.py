@@ -335,7 +335,8 @@ def test_a_host_build_of_the_rendered_code_agrees_with_the_mirror_and_the_refere
     cases = []
     for i, v in enumerate(variants):
         if v.kind == "score_mod":
-            cases.append(f"    case {i}: {{ const v{i}::ScoreMod m(params[{i}]); const float y = m.score(s, b, h, q, kv);"
+            cases.append(f"    case {i}: {{ const v{i}::ScoreMod m(params[{i}]);"
+                         " const float y = m.score(s, b, h, q, kv);"
                          f" printf(\"%.9g %.9g\\n\", y, m.dscore(s, y, b, h, q, kv)); break; }}")
         else:
             cases.append(f"    case {i}: {{ const v{i}::MaskMod m(params[{i}]); printf(\"%d %d\\n\", "
@@ -414,8 +415,8 @@ int main() {
     assert built.returncode == 0, built.stderr[-3000:]
     xs = torch.cat([torch.randn(3000) * 3, torch.randn(1000) * 0.2, torch.randn(500) * 1e-4,
                     torch.tensor([0.0, -0.0, 0.25, -0.25, 0.2499999, 20.0, -20.0, 88.0, -100.0])]).tolist()
-    pairs = [(random.randint(-2 ** 31, 2 ** 31 - 1), random.choice([0, -1, 1, 7, -7, random.randint(-2 ** 31, 2 ** 31 - 1)]))
-             for _ in xs]
+    any_int = lambda: random.randint(-2 ** 31, 2 ** 31 - 1)  # noqa: E731
+    pairs = [(any_int(), random.choice([0, -1, 1, 7, -7, any_int()])) for _ in xs]
     pairs[:3] = [(-2 ** 31, -1), (-2 ** 31, 0), (-7, 2)]
     text = "\n".join(f"{x!r} {a} {d}" for x, (a, d) in zip(xs, pairs)) + "\n"
     ran = subprocess.run([str(tmp_path / "math")], input=text, capture_output=True, text=True, timeout=60)

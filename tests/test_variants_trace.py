@@ -199,7 +199,8 @@ def test_each_refused_operation_is_named_in_the_error(needle, fn):
 
 
 def test_unsupported_torch_function_lists_what_is_supported():
-    with pytest.raises(VariantError, match=r"torch\.sin, which jitattn variants do not support; supported: .*torch\.where"):
+    message = r"torch\.sin, which jitattn variants do not support; supported: .*torch\.where"
+    with pytest.raises(VariantError, match=message):
         trace_score_mod(lambda s, b, h, q, kv: torch.sin(s))
 
 

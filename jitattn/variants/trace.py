@@ -324,7 +324,8 @@ class _Indexed:
             nodes.append(sym.node)
         indices = self.indices + tuple(nodes)
         if len(indices) > self.ndim:
-            raise VariantError(f"{self.tracer.kind} indexes a {self.ndim}-d captured tensor with {len(indices)} indices")
+            raise VariantError(f"{self.tracer.kind} indexes a {self.ndim}-d captured tensor with "
+                               f"{len(indices)} indices")
         if len(indices) < self.ndim:
             return _Indexed(self.tracer, self.slot, self.ndim, indices)
         return self.tracer.sym(("load", self.slot, *indices))

@@ -2,8 +2,9 @@
 // mask_mod calls only these (and plain C++ operators on its own SSA values).
 //
 // - Captures: a captured tensor is a Capture (data pointer, strides in elements, sizes; the dims
-//   past its ndim have size 1, stride 0; a 0-d tensor has them all so). A read outside [0, size) in any dim gives 0 (false for bool): no fault, whatever
-//   the index expression computes. int64 captures are read modulo 2^32, like every int here.
+//   past its ndim have size 1, stride 0; a 0-d tensor has them all so). A read outside [0, size)
+//   in any dim gives 0 (false for bool): no fault, whatever the index expression computes.
+//   int64 captures are read modulo 2^32, like every int here.
 // - Ints are 32-bit and wrap (iadd/isub/imul/ineg through unsigned: defined behaviour); // and %
 //   follow Python (floor), and give 0 for a zero divisor.
 // - Fast math (vexp, vexp2, vtanh, vsigmoid): ex2.approx based; error estimates beside each.
@@ -236,8 +237,12 @@ JITATTN_VARIANT_FN IBool iv_bne(IBool a, IBool b) {
   const IBool e = iv_beq(a, b);
   return IBool{e.may_false, e.may_true};
 }
-JITATTN_VARIANT_FN IBool iv_and(IBool a, IBool b) { return IBool{a.may_true && b.may_true, a.may_false || b.may_false}; }
-JITATTN_VARIANT_FN IBool iv_or(IBool a, IBool b) { return IBool{a.may_true || b.may_true, a.may_false && b.may_false}; }
+JITATTN_VARIANT_FN IBool iv_and(IBool a, IBool b) {
+  return IBool{a.may_true && b.may_true, a.may_false || b.may_false};
+}
+JITATTN_VARIANT_FN IBool iv_or(IBool a, IBool b) {
+  return IBool{a.may_true || b.may_true, a.may_false && b.may_false};
+}
 JITATTN_VARIANT_FN IBool iv_not(IBool a) { return IBool{a.may_false, a.may_true}; }
 
 #undef JITATTN_VARIANT_FN
