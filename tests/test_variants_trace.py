@@ -520,3 +520,13 @@ def test_bind_attaches_matching_tensors_to_a_parsed_variant_and_refuses_others()
     for wrong in ([], [table.double()], [table[0]], [table, table]):
         with pytest.raises(VariantError, match="capture|capture slots"):
             parsed.bind(wrong)
+
+
+def test_a_trace_that_captured_a_copy_it_made_is_not_cached_but_views_are():
+    bias = torch.randn(4, 8, dtype=torch.float64)
+    converted = lambda s, b, h, q, kv: s + bias.float()[h, q]  # noqa: E731
+    first, second = trace_score_mod(converted), trace_score_mod(converted)
+    assert first == second and first is not second and first.tensors[0] is not second.tensors[0]
+    table = torch.randn(4, 8)
+    viewed = lambda s, b, h, q, kv: s + table[1][q] + table.t()[kv, h]  # noqa: E731
+    assert trace_score_mod(viewed) is trace_score_mod(viewed)

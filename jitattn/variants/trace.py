@@ -470,8 +470,9 @@ def _trace(kind: str, fn) -> Variant:
 # buffers in one). A lookup recomputes the fingerprint and compares it by identity: a new tensor
 # object, a reassigned global or a replaced buffer retraces; a tensor changed in place does not
 # (its values are read at call time); a Python object mutated in place deeper than that is not
-# seen. Callables that are not functions (bound methods, objects with __call__) are traced on
-# every call.
+# seen. A trace that captured a tensor the function made itself (bias.float(), not a view of
+# what it sees) is not cached: that copy would not follow the original. Callables that are not
+# functions (bound methods, objects with __call__) are traced on every call.
 
 _CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _CACHE_LOCK = threading.Lock()
@@ -511,37 +512,46 @@ _EMPTY_CELL = object()
 
 
 def _fingerprint(fn) -> tuple:
-    parts, visited = [], {id(fn)}
+    """(what fn sees, by identity; the ids of the tensors among it)."""
+    parts, visited, tensors = [], {id(fn)}, set()
+
+    def note(value):
+        parts.append(_ref(value))
+        if isinstance(value, torch.Tensor):
+            tensors.add(id(value))
 
     def add(obj, depth):
         if depth > _FINGERPRINT_DEPTH or len(parts) > 4 * _FINGERPRINT_ITEMS:
             return
-        parts.append(_ref(obj))
+        note(obj)
         if id(obj) in visited:
             return
         visited.add(id(obj))
         if isinstance(obj, (types.FunctionType, functools.partial)):
             for item in _referenced(obj):
                 add(item, depth + 1)
-        elif not isinstance(obj, _OPAQUE) and not callable(getattr(obj, "__get__", None)):
+        elif isinstance(obj, (list, tuple, dict)):
+            items = obj.values() if isinstance(obj, dict) else obj
+            for value in list(items)[:_FINGERPRINT_ITEMS]:
+                add(value, depth + 1)
+        elif not isinstance(obj, _OPAQUE):
             attributes = getattr(obj, "__dict__", None)
             if isinstance(attributes, dict):
                 for value in list(attributes.values())[:_FINGERPRINT_ITEMS]:
-                    parts.append(_ref(value))
+                    note(value)
                     if isinstance(value, dict):
-                        parts.extend(_ref(v) for v in list(value.values())[:_FINGERPRINT_ITEMS])
-            elif isinstance(obj, (list, tuple, dict)):
-                items = obj.values() if isinstance(obj, dict) else obj
-                for value in list(items)[:_FINGERPRINT_ITEMS]:
-                    add(value, depth + 1)
+                        for item in list(value.values())[:_FINGERPRINT_ITEMS]:
+                            note(item)
 
     for item in _referenced(fn):
         add(item, 1)
-    return tuple(parts)
+    return tuple(parts), tensors
 
 
-class _Dead:
-    pass
+def _reachable(tensor: torch.Tensor, seen: set) -> bool:
+    """Whether a captured tensor is one the function sees (or a view of one): a tensor the function
+    made while tracing (bias.float()) is a copy, stale on a later call, so such traces are not cached."""
+    return id(tensor) in seen or (tensor._base is not None and id(tensor._base) in seen)
 
 
 def _ref(obj):
@@ -569,7 +579,7 @@ def _cached_trace(kind: str, fn) -> Variant:
     if not isinstance(fn, (types.FunctionType, functools.partial)):
         return _trace(kind, fn)
     key = fn.__code__ if isinstance(fn, types.FunctionType) else fn
-    fingerprint = _fingerprint(fn)
+    fingerprint, tensors = _fingerprint(fn)
     with _CACHE_LOCK:
         entries = _CACHE.setdefault(key, {}).setdefault(kind, [])
         for i, (seen, variant) in enumerate(entries):
@@ -577,10 +587,11 @@ def _cached_trace(kind: str, fn) -> Variant:
                 entries.insert(0, entries.pop(i))
                 return variant
     variant = _trace(kind, fn)
-    with _CACHE_LOCK:
-        entries = _CACHE.setdefault(key, {}).setdefault(kind, [])
-        entries.insert(0, (fingerprint, variant))
-        del entries[_ENTRIES_PER_CODE:]
+    if all(_reachable(t, tensors) for t in variant.tensors):
+        with _CACHE_LOCK:
+            entries = _CACHE.setdefault(key, {}).setdefault(kind, [])
+            entries.insert(0, (fingerprint, variant))
+            del entries[_ENTRIES_PER_CODE:]
     return variant
 
 
