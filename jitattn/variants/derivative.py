@@ -61,7 +61,7 @@ def simplify(node: tuple) -> tuple:
         if _is_const(node[1]) and _fold("neg", const_value(node[1][1])) is not None:
             return ("const", -const_value(node[1][1]))
     if op == "where":
-        if repr(node[2]) == repr(node[3]):
+        if node[2] is node[3] or (node[2][0] == node[3][0] == "const" and repr(node[2]) == repr(node[3])):
             return node[2]
         if node[1][0] == "const":
             return node[2] if node[1][1] else node[3]
@@ -101,50 +101,61 @@ def _zero(a):
     return ZERO if a is None else a
 
 
-def d(node: tuple):
+def d(node: tuple, memo: dict | None = None):
     """The derivative of a float node with respect to the ``score`` argument; None where it is zero
-    (the node does not depend on score, or is not a float)."""
+    (the node does not depend on score, or is not a float). ``memo`` (by node identity) makes a
+    shared subtree's derivative one shared node."""
+    memo = {} if memo is None else memo
+    known = memo.get(id(node))
+    if known is not None:
+        return known[1]
+    result = _d(node, memo)
+    memo[id(node)] = (node, result)  # the node itself keeps its id from being reused
+    return result
+
+
+def _d(node: tuple, memo: dict):
     op = node[0]
     if op == "arg":
         return ONE if node[1] == "score" else None
     if op in ("const", "load", "float"):
         return None
     if op in ("add", "sub"):
-        da, db = d(node[1]), d(node[2])
+        da, db = d(node[1], memo), d(node[2], memo)
         return _add(da, db if op == "add" else _neg(db))
     if op == "mul":
         a, b = node[1], node[2]
-        return _add(_mul(d(a), b), _mul(a, d(b)))
+        return _add(_mul(d(a, memo), b), _mul(a, d(b, memo)))
     if op == "div":
         a, b = node[1], node[2]
-        da, db = d(a), d(b)
+        da, db = d(a, memo), d(b, memo)
         quotient = None if da is None else simplify(("div", da, b))
         if db is None:
             return quotient
         # (a / b)' = a'/b - (a/b) * b'/b
         return _add(quotient, _neg(_mul(node, simplify(("div", db, b)))))
     if op == "neg":
-        return _neg(d(node[1]))
+        return _neg(d(node[1], memo))
     if op == "abs":
-        dx = d(node[1])
+        dx = d(node[1], memo)
         if dx is None:
             return None
         x = node[1]
         return simplify(("where", ("lt", x, ZERO), _neg(dx), simplify(("where", ("gt", x, ZERO), dx, ZERO))))
     if op in ("min", "max"):
         a, b = node[1], node[2]
-        da, db = d(a), d(b)
+        da, db = d(a, memo), d(b, memo)
         if da is None and db is None:
             return None
         first = ("lt", a, b) if op == "min" else ("gt", a, b)
         tie = simplify(("mul", HALF, _add(da, db)))
         return simplify(("where", first, _zero(da), simplify(("where", ("eq", a, b), tie, _zero(db)))))
     if op == "where":
-        da, db = d(node[2]), d(node[3])
+        da, db = d(node[2], memo), d(node[3], memo)
         if da is None and db is None:
             return None
         return simplify(("where", node[1], _zero(da), _zero(db)))
-    inner = d(node[1]) if op in ("exp", "exp2", "log", "tanh", "sigmoid", "sqrt") else None
+    inner = d(node[1], memo) if op in ("exp", "exp2", "log", "tanh", "sigmoid", "sqrt") else None
     if inner is None:
         return None
     x = node[1]
