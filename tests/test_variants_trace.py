@@ -530,3 +530,41 @@ def test_a_trace_that_captured_a_copy_it_made_is_not_cached_but_views_are():
     table = torch.randn(4, 8)
     viewed = lambda s, b, h, q, kv: s + table[1][q] + table.t()[kv, h]  # noqa: E731
     assert trace_score_mod(viewed) is trace_score_mod(viewed)
+
+
+def test_the_trace_cache_keeps_no_captured_tensor_alive():
+    import gc
+    import weakref
+
+    def make(bias):
+        return lambda s, b, h, q, kv: s + bias[h, q]
+
+    bias = torch.randn(4, 8)
+    alive = weakref.ref(bias)
+    v = trace_score_mod(make(bias))
+    assert v.tensors[0] is bias
+    del v, bias
+    gc.collect()
+    assert alive() is None
+    fresh = torch.randn(4, 8)
+    assert trace_score_mod(make(fresh)).tensors[0] is fresh
+    def make_from_list(tables):
+        return lambda s, b, h, q, kv: s + tables[0][h, q]
+
+    tables = [torch.randn(4, 8)]
+    alive = weakref.ref(tables[0])
+    v = trace_score_mod(make_from_list(tables))
+    del v, tables
+    gc.collect()
+    assert alive() is None  # held in a list the function saw: not kept by the cache either
+
+
+def test_a_cached_variant_dropped_by_the_caller_comes_back_with_the_same_tensors():
+    import gc
+
+    table = torch.randn(4, 8)
+    fn = lambda s, b, h, q, kv: s + table[h, q]  # noqa: E731
+    key = trace_score_mod(fn).key_text
+    gc.collect()
+    again = trace_score_mod(fn)
+    assert again.key_text == key and again.tensors[0] is table

@@ -461,7 +461,7 @@ def _trace(kind: str, fn) -> Variant:
 
 # ---------------------------------------------------------------- the trace cache
 #
-# What is cached: per code object (held weakly; a lambda written inline in a loop is a new function
+# What is cached (the tensors weakly: the cache keeps no tensor alive): per code object (held weakly; a lambda written inline in a loop is a new function
 # each time but one code object) and kind, the last few Variants traced from it, each with
 # a fingerprint of what the function can see: the objects in its closure cells, the globals its
 # code (and nested code) names, its defaults, and, recursively, the same for functions among
@@ -554,8 +554,21 @@ def _reachable(tensor: torch.Tensor, seen: set) -> bool:
     return id(tensor) in seen or (tensor._base is not None and id(tensor._base) in seen)
 
 
+class _Container:
+    """A list, tuple, dict or set in a fingerprint, by id: holding it would keep the tensors in it
+    alive (these take no weak reference). Its items are in the fingerprint on their own."""
+
+    __slots__ = ("ident",)
+
+    def __init__(self, obj):
+        self.ident = (type(obj), id(obj))
+
+
 def _ref(obj):
-    """A weak reference where the object allows one (so the cache keeps nothing alive), else it."""
+    """A weak reference where the object allows one (so the cache keeps nothing alive), an id for
+    containers, else the object (numbers, strings: they hold no tensor)."""
+    if isinstance(obj, (list, tuple, dict, set)):
+        return _Container(obj)
     try:
         return weakref.ref(obj)
     except TypeError:
@@ -566,6 +579,10 @@ def _same(a: tuple, b: tuple) -> bool:
     if len(a) != len(b):
         return False
     for x, y in zip(a, b):
+        if isinstance(x, _Container) and isinstance(y, _Container):
+            if x.ident != y.ident:
+                return False
+            continue
         if isinstance(x, weakref.ref) and isinstance(y, weakref.ref):
             x, y = x(), y()
             if x is None or y is None:
@@ -575,6 +592,37 @@ def _same(a: tuple, b: tuple) -> bool:
     return True
 
 
+class _Entry:
+    """One cached trace: the fingerprint, the variant's key part, and its tensors held weakly
+    (with the last Variant handed out, also weakly), so the cache keeps no tensor alive."""
+
+    def __init__(self, fingerprint: tuple, variant: Variant):
+        self.fingerprint = fingerprint
+        self.key_part = _unbound(variant)
+        self.tensors = tuple(weakref.ref(t) for t in variant.tensors)
+        self.last = weakref.ref(variant)
+
+    def variant(self) -> Variant | None:
+        """The cached Variant, or None when one of its tensors is gone."""
+        last = self.last()
+        if last is not None:
+            return last
+        tensors = tuple(ref() for ref in self.tensors)
+        if any(t is None for t in tensors):
+            return None
+        variant = self.key_part.bind(tensors)
+        self.last = weakref.ref(variant)
+        return variant
+
+
+def _unbound(variant: Variant) -> Variant:
+    unbound = object.__new__(Variant)
+    for name in ("kind", "tree", "captures"):
+        object.__setattr__(unbound, name, getattr(variant, name))
+    object.__setattr__(unbound, "tensors", ())
+    return unbound
+
+
 def _cached_trace(kind: str, fn) -> Variant:
     if not isinstance(fn, (types.FunctionType, functools.partial)):
         return _trace(kind, fn)
@@ -582,15 +630,17 @@ def _cached_trace(kind: str, fn) -> Variant:
     fingerprint, tensors = _fingerprint(fn)
     with _CACHE_LOCK:
         entries = _CACHE.setdefault(key, {}).setdefault(kind, [])
-        for i, (seen, variant) in enumerate(entries):
-            if _same(seen, fingerprint):
-                entries.insert(0, entries.pop(i))
-                return variant
+        for i, entry in enumerate(entries):
+            if _same(entry.fingerprint, fingerprint):
+                variant = entry.variant()
+                if variant is not None:
+                    entries.insert(0, entries.pop(i))
+                    return variant
     variant = _trace(kind, fn)
     if all(_reachable(t, tensors) for t in variant.tensors):
         with _CACHE_LOCK:
             entries = _CACHE.setdefault(key, {}).setdefault(kind, [])
-            entries.insert(0, (fingerprint, variant))
+            entries.insert(0, _Entry(fingerprint, variant))
             del entries[_ENTRIES_PER_CODE:]
     return variant
 
