@@ -435,3 +435,17 @@ int main() {
         want_div = 0 if d == 0 else (a // d + 2 ** 31) % 2 ** 32 - 2 ** 31
         want_mod = 0 if d == 0 else a % d
         assert (int(floordiv), int(mod)) == (want_div, want_mod), (a, d)
+
+
+def test_variant_cuh_reads_the_same_through_the_templates_jinja_environment():
+    """The kernels pull variant.cuh in with a Jinja include: it must hold no Jinja syntax."""
+    import jinja2
+
+    from jitattn.jit import render as jit_render
+
+    root = jit_render.templates_dir()
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(root)), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
+    text = (root / "varlen" / "variant.cuh").read_text()
+    assert env.get_template("varlen/variant.cuh").render() == text
+    assert not re.search(r"\{\{|\{%|\{#", text)

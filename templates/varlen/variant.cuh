@@ -181,7 +181,7 @@ JITATTN_VARIANT_FN IInt iv_floordiv(IInt a, IInt d) {
   bool any = false;
   long long lo = 0, hi = 0;
   if (d.lo <= 0 && d.hi >= 0) any = true;
-  const long long parts[2][2] = {{d.lo, min2(d.hi, -1)}, {max2(d.lo, 1), d.hi}};
+  const long long parts[2][2] = { {d.lo, min2(d.hi, -1)}, {max2(d.lo, 1), d.hi} };  // spaced: Jinja reads this file
   const bool has[2] = {d.lo <= -1, d.hi >= 1};
   for (int p = 0; p < 2; ++p) {
     if (!has[p]) continue;
