@@ -568,3 +568,15 @@ def test_a_cached_variant_dropped_by_the_caller_comes_back_with_the_same_tensors
     gc.collect()
     again = trace_score_mod(fn)
     assert again.key_text == key and again.tensors[0] is table
+
+
+def test_a_variant_reads_as_an_expression_in_logs():
+    kind, fn, _ = acceptance_set()["prefix_lm"]
+    v = trace(kind, fn)
+    assert repr(v) == f"Variant(mask_mod {v.digest}: (kv_idx < c0[b]) | (q_idx >= kv_idx); captures: 1-d int32)"
+    long = Variant("score_mod", ("add", S, ("const", 1.5)))
+    assert repr(long).endswith("score + 1.5)")
+    deep = S
+    for _ in range(47):
+        deep = ("add", deep, ("const", 123456.789))
+    assert len(tree_module.expression(deep, limit=100)) == 100

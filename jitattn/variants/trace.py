@@ -461,9 +461,9 @@ def _trace(kind: str, fn) -> Variant:
 
 # ---------------------------------------------------------------- the trace cache
 #
-# What is cached (the tensors weakly: the cache keeps no tensor alive): per code object (held weakly; a lambda written inline in a loop is a new function
-# each time but one code object) and kind, the last few Variants traced from it, each with
-# a fingerprint of what the function can see: the objects in its closure cells, the globals its
+# What is cached: per code object (held weakly; a lambda written inline in a loop is a new
+# function each time but one code object) and kind, the last few Variants traced from it (their
+# tensors held weakly: the cache keeps no tensor alive), each with a fingerprint of what the function can see: the objects in its closure cells, the globals its
 # code (and nested code) names, its defaults, and, recursively, the same for functions among
 # those (functools.partial too); for other objects among them (an nn.Module, a config object),
 # the identities of their attributes and of the values of dict attributes (nn.Module keeps its

@@ -242,6 +242,11 @@ class Variant:
         """The first 12 hex digits of sha256(key_text), for spec names."""
         return hashlib.sha256(self.key_text.encode()).hexdigest()[:12]
 
+    def __repr__(self):
+        captures = ", ".join(f"{ndim}-d {dtype}" for dtype, ndim in self.captures)
+        return f"Variant({self.kind} {self.digest}: {expression(self.tree)}" + \
+            (f"; captures: {captures})" if captures else ")")
+
     def __eq__(self, other):
         return isinstance(other, Variant) and self.key_text == other.key_text
 
@@ -353,3 +358,54 @@ def derived_variant(kind: str, tree: tuple, captures: tuple, tensors: tuple = ()
     for name, value in (("kind", kind), ("tree", tree), ("captures", captures), ("tensors", tuple(tensors))):
         object.__setattr__(v, name, value)
     return v
+
+
+_INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "floordiv": "//", "mod": "%", "lt": "<", "le": "<=",
+          "gt": ">", "ge": ">=", "eq": "==", "ne": "!=", "and": "&", "or": "|"}
+
+
+def expression(tree: tuple, limit: int = 400) -> str:
+    """A readable one-line form of a tree for logs and errors (``score + float(q_idx - kv_idx)``;
+    a capture read is ``c0[h, q_idx]``), cut at ``limit`` characters."""
+    out: list[str] = []
+    size = [0]
+
+    def emit(text):
+        out.append(text)
+        size[0] += len(text)
+
+    def show(node, parent_infix=False):
+        if size[0] > limit:
+            return
+        op = node[0]
+        if op == "arg":
+            emit(node[1])
+        elif op == "const":
+            emit(repr(node[1]) if not isinstance(node[1], str) else ("-inf" if node[1] == "-inf" else "inf"))
+        elif op == "load":
+            emit(f"c{node[1]}")
+            if len(node) > 2:
+                emit("[")
+                for i, index in enumerate(node[2:]):
+                    emit(", " if i else "")
+                    show(index)
+                emit("]")
+        elif op in _INFIX:
+            emit("(" if parent_infix else "")
+            show(node[1], True)
+            emit(f" {_INFIX[op]} ")
+            show(node[2], True)
+            emit(")" if parent_infix else "")
+        elif op in ("neg", "not"):
+            emit("-" if op == "neg" else "~")
+            show(node[1], True)
+        else:
+            emit(f"{op}(")
+            for i, child in enumerate(node[1:]):
+                emit(", " if i else "")
+                show(child)
+            emit(")")
+
+    show(tree)
+    text = "".join(out)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
