@@ -463,10 +463,11 @@ def _trace(kind: str, fn) -> Variant:
 #
 # What is cached: per code object (held weakly; a lambda written inline in a loop is a new
 # function each time but one code object) and kind, the last few Variants traced from it (their
-# tensors held weakly: the cache keeps no tensor alive), each with a fingerprint of what the function can see: the objects in its closure cells, the globals its
-# code (and nested code) names, its defaults, and, recursively, the same for functions among
-# those (functools.partial too); for other objects among them (an nn.Module, a config object),
-# the identities of their attributes and of the values of dict attributes (nn.Module keeps its
+# tensors held weakly: the cache keeps no tensor alive), each with a fingerprint of what the
+# function can see: the objects in its closure cells, the globals its code (and nested code)
+# names, its defaults, and, recursively, the same for functions and containers among those
+# (functools.partial too); for other objects among them (an nn.Module, a config object), the
+# identities of their attributes and of the values of dict attributes (nn.Module keeps its
 # buffers in one). A lookup recomputes the fingerprint and compares it by identity: a new tensor
 # object, a reassigned global or a replaced buffer retraces; a tensor changed in place does not
 # (its values are read at call time); a Python object mutated in place deeper than that is not
