@@ -14,3 +14,4 @@ struct Capture {
   int size[4];
 };
 }  // namespace jitattn_variant
+#define JITATTN_CAPTURE_STRUCT 1  // (variant.cuh defines the same struct only without this file)

@@ -1,0 +1,273 @@
+"""C++ for the kernels' hooks from a validated Variant: ScoreMod (score, dscore) and MaskMod
+(visible, classify), with the members of templates/varlen/score.cuh's and mask.cuh's built-ins.
+
+The output is straight SSA (``const float t3 = ...;``), each distinct node once, calling only
+templates/varlen/variant.cuh's helpers and C++ operators. Nothing from the user reaches the text
+but through this module's printing of validated nodes: op names map to fixed C++ through tables
+here, constants are printed from their numeric value, argument names are ours.
+"""
+from __future__ import annotations
+
+import math
+import struct
+
+from jitattn.variants.derivative import derivative
+from jitattn.variants.tree import INT32_MIN, Shared, Variant, children, const_value
+
+NS = "jitattn_variant::"
+CTYPE = {"float": "float", "int": "int", "bool": "bool"}
+IV_CTYPE = {"float": NS + "IFloat", "int": NS + "IInt", "bool": NS + "IBool"}
+FLOAT_FUNCTIONS = {"exp": "vexp", "exp2": "vexp2", "log": "vlog", "tanh": "vtanh", "sigmoid": "vsigmoid",
+                   "sqrt": "vsqrt", "abs": "fabsf"}
+INT_FUNCTIONS = {"add": "iadd", "sub": "isub", "mul": "imul", "neg": "ineg", "abs": "iabs", "min": "imin",
+                 "max": "imax", "floordiv": "floordiv", "mod": "mod"}
+FLOAT_OPERATORS = {"add": "+", "sub": "-", "mul": "*"}
+COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+
+
+def float_literal(value: float) -> str:
+    """An fp32 C++ literal of exactly the float nearest ``value`` (%.9g round-trips fp32)."""
+    try:
+        f32 = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        f32 = math.copysign(math.inf, value)
+    if math.isinf(f32):
+        return "INFINITY" if f32 > 0 else "(-INFINITY)"
+    text = "%.9g" % f32
+    if not any(c in text for c in ".e"):
+        text += ".0"
+    text += "f"
+    return f"({text})" if text.startswith("-") else text
+
+
+def int_literal(value: int) -> str:
+    if value == INT32_MIN:
+        return "(-2147483647 - 1)"
+    return f"({value})" if value < 0 else str(value)
+
+
+def literal(value) -> str:
+    if type(value) is bool:
+        return "true" if value else "false"
+    if type(value) is int:
+        return int_literal(value)
+    return float_literal(float(value))
+
+
+class _Emitter:
+    """Emits SSA lines for nodes of one variant, each distinct node once. ``defs`` maps a node
+    key to (type, expression) for values defined on first use (arguments, reused forward values)."""
+
+    def __init__(self, shared: Shared, prefix: str, indent: str = "    "):
+        self.shared, self.captures, self.prefix, self.indent = shared, shared.captures, prefix, indent
+        self.lines: list[str] = []
+        self.names: dict[int, str] = {}
+        self.defs: dict[int, tuple] = {}
+
+    def key(self, node: tuple) -> int:
+        return self.shared.number(node)
+
+    def type(self, node: tuple) -> str:
+        return self.shared.type(node)
+
+    def define(self, ctype: str, expression: str) -> str:
+        name = f"{self.prefix}{len(self.lines)}"
+        self.lines.append(f"{self.indent}const {ctype} {name} = {expression};")
+        return name
+
+    def value(self, node: tuple) -> str:
+        key = self.key(node)
+        if key in self.names:
+            return self.names[key]
+        if key in self.defs:
+            ctype, expression = self.defs[key]
+            name = self.define(ctype, expression)
+        elif node[0] == "arg":
+            return node[1]  # b, h, q_idx, kv_idx: the hook's own parameters
+        elif node[0] == "const":
+            return literal(const_value(node[1]))
+        else:
+            kind = self.type(node)
+            name = self.define(CTYPE[kind], self._expression(node, kind))
+        self.names[key] = name
+        return name
+
+    def _expression(self, node: tuple, kind: str) -> str:
+        op = node[0]
+        if op == "load":
+            dtype = self.captures[node[1]][0]
+            indices = "".join(", " + self.value(i) for i in node[2:])
+            return f"{NS}load_{dtype}(caps[{node[1]}]{indices})"
+        args = [self.value(c) for c in children(node)]
+        operand = self.type(node[1])
+        if op == "div":
+            divisor = node[2]
+            if divisor[0] == "const":  # a constant divisor: multiply by its reciprocal (within an ulp)
+                c = const_value(divisor[1])
+                reciprocal = 0.0 if math.isinf(c) else math.copysign(math.inf, c) if c == 0 else 1.0 / c
+                return f"{args[0]} * {float_literal(reciprocal)}"
+            return f"{args[0]} / {args[1]}"
+        if op in COMPARE:
+            return f"{args[0]} {COMPARE[op]} {args[1]}"
+        if op == "where":
+            return f"{args[0]} ? {args[1]} : {args[2]}"
+        if op in ("and", "or"):
+            return f"{args[0]} {'&&' if op == 'and' else '||'} {args[1]}"
+        if op == "not":
+            return f"!{args[0]}"
+        if op == "float":
+            return f"float({args[0]})"
+        if operand == "int":
+            return f"{NS}{INT_FUNCTIONS[op]}({', '.join(args)})"
+        if op in FLOAT_OPERATORS:
+            return f"{args[0]} {FLOAT_OPERATORS[op]} {args[1]}"
+        if op == "neg":
+            return f"-{args[0]}"
+        if op in ("min", "max"):
+            return f"{NS}f{'minimum' if op == 'min' else 'maximum'}({args[0]}, {args[1]})"
+        function = FLOAT_FUNCTIONS[op]
+        return f"{function}({args[0]})" if function == "fabsf" else f"{NS}{function}({args[0]})"
+
+
+class _IntervalEmitter(_Emitter):
+    """Emits classify's abstract values: variant.cuh's iv_* calls over the same nodes."""
+
+    def value(self, node: tuple) -> str:
+        key = self.key(node)
+        if key in self.names:
+            return self.names[key]
+        if key in self.defs:
+            ctype, expression = self.defs[key]
+        else:
+            ctype = IV_CTYPE[self.type(node)]
+            expression = self._abstract(node, self.type(node))
+        name = self.define(ctype, expression)
+        self.names[key] = name
+        return name
+
+    def _abstract(self, node: tuple, kind: str) -> str:
+        op = node[0]
+        if kind == "float":
+            return NS + "IFloat{}"
+        if op == "const":
+            c = const_value(node[1])
+            return f"{NS}iv_bool({literal(c)})" if kind == "bool" else f"{NS}iv_exact({int_literal(c)})"
+        if op == "load":
+            indices = [self.value(i) for i in node[2:]]
+            exact = " && ".join(f"{NS}iv_is_exact({i})" for i in indices) or "true"
+            read = f"{NS}load_{self.captures[node[1]][0]}(caps[{node[1]}]{''.join(f', int({i}.lo)' for i in indices)})"
+            if kind == "int":
+                return f"({exact}) ? {NS}iv_exact({read}) : {NS}iv_full()"
+            return f"({exact}) ? {NS}iv_bool({read}) : {NS}iv_unknown()"
+        operand = self.type(node[1])
+        if op in COMPARE and operand == "float":  # floats are not tracked (their operands are not emitted)
+            return NS + "iv_unknown()"
+        args = [self.value(c) for c in children(node)]
+        if op in ("eq", "ne") and operand == "bool":
+            op = "beq" if op == "eq" else "bne"
+        elif op == "where" and kind == "bool":
+            op = "bwhere"
+        return f"{NS}iv_{op}({', '.join(args)})"
+
+
+def _body(emitter: _Emitter) -> str:
+    return "\n".join(emitter.lines) + ("\n" if emitter.lines else "")
+
+
+def _forward_chain(tree: tuple, root_name: str):
+    """(node, expression) of nodes recoverable from the forward's value by undoing products with
+    constants from the root down (root = c * tanh(...) gives tanh(...) = root / c). Sums are not
+    undone: root - c loses the small part of root to cancellation."""
+    chain, node, name = [], tree, root_name
+    while True:
+        op = node[0]
+        if op == "neg":
+            node, expression = node[1], f"-{name}"
+        elif op == "mul" and [c[0] for c in node[1:]].count("const") == 1:
+            i = 1 if node[1][0] == "const" else 2
+            c = float(const_value(node[i][1]))
+            if c == 0 or not math.isfinite(c):
+                return chain
+            node, expression = node[3 - i], f"{name} * {float_literal(1.0 / c)}"
+        elif op == "div" and node[2][0] == "const" and node[1][0] != "const":
+            c = float(const_value(node[2][1]))
+            if c == 0 or not math.isfinite(c):
+                return chain
+            node, expression = node[1], f"{name} * {float_literal(c)}"
+        else:
+            return chain
+        chain.append((node, expression))
+        name = f"({expression})"
+
+
+SCORE_ARGS = "int b, int h, int q_idx, int kv_idx"
+
+
+def render_score_mod(v: Variant, qualifiers: str = "__device__ __forceinline__") -> str:
+    """The ScoreMod struct for score_mod ``v``: score(s, ...) = f(scale * s) / scale and
+    dscore(s, sc, ...) = f'(scale * s), sharing what it can with sc (score()'s value)."""
+    if not isinstance(v, Variant) or v.kind != "score_mod":
+        raise TypeError("render_score_mod takes a score_mod Variant")
+    score = _Emitter(Shared(v.tree, v.captures), "t")
+    score.defs[score.key(("arg", "score"))] = ("float", "s * scale")
+    result = score.value(v.tree)
+    slope = derivative(v).tree
+    dscore = _Emitter(Shared(slope, v.captures), "d")
+    dscore.defs[dscore.key(("arg", "score"))] = ("float", "s * scale")
+    dscore.defs[dscore.key(v.tree)] = ("float", "sc * scale")
+    for node, expression in _forward_chain(v.tree, "sc * scale"):
+        dscore.defs.setdefault(dscore.key(node), ("float", expression))
+    slope_value = dscore.value(slope)
+    caps = "caps(p.captures), " if v.captures else "caps(nullptr), "
+    return (
+        "// The user's score_mod, rendered by jitattn/variants/render.py from the tree\n"
+        f"// {v.digest}: score() returns f(scale * s) / scale, dscore() f'(scale * s).\n"
+        "struct ScoreMod {\n"
+        "  static constexpr bool ACTIVE = true;\n"
+        "  const jitattn_variant::Capture* caps;\n"
+        "  float scale, inv_scale;\n"
+        "  template <class Params>\n"
+        f"  {qualifiers} explicit ScoreMod(const Params& p)\n"
+        f"      : {caps}scale(p.scale), inv_scale(1.f / p.scale) {{}}\n"
+        f"  {qualifiers} float score(float s, {SCORE_ARGS}) const {{\n"
+        f"{_body(score)}    return {result} * inv_scale;\n"
+        "  }\n"
+        f"  {qualifiers} float dscore(float s, float sc, {SCORE_ARGS}) const {{\n"
+        f"{_body(dscore)}    return {slope_value};\n"
+        "  }\n"
+        "};\n")
+
+
+def render_mask_mod(v: Variant, qualifiers: str = "__device__ __forceinline__") -> str:
+    """The MaskMod struct for mask_mod ``v``: visible() per element, classify() per tile by the
+    interval analysis of interval.py (sound: EMPTY and FULL only where certain)."""
+    if not isinstance(v, Variant) or v.kind != "mask_mod":
+        raise TypeError("render_mask_mod takes a mask_mod Variant")
+    visible = _Emitter(Shared(v.tree, v.captures), "t")
+    result = visible.value(v.tree)
+    tile = _IntervalEmitter(Shared(v.tree, v.captures), "v")
+    tile.defs.update({
+        tile.key(("arg", "b")): (IV_CTYPE["int"], f"{NS}iv_exact(b)"),
+        tile.key(("arg", "h")): (IV_CTYPE["int"], f"{NS}IInt{{(long long)kv_head * pack, "
+                                                  f"(long long)kv_head * pack + pack - 1}}"),
+        tile.key(("arg", "q_idx")): (IV_CTYPE["int"], f"{NS}IInt{{q_lo, q_hi}}"),
+        tile.key(("arg", "kv_idx")): (IV_CTYPE["int"], f"{NS}IInt{{kv_lo, kv_hi}}"),
+    })
+    verdict = tile.value(v.tree)
+    caps = "caps(p.captures), " if v.captures else "caps(nullptr), "
+    return (
+        "// The user's mask_mod, rendered by jitattn/variants/render.py from the tree\n"
+        f"// {v.digest}: visible() per element, classify() per tile (interval analysis, sound).\n"
+        "struct MaskMod {\n"
+        "  static constexpr bool ACTIVE = true;\n"
+        "  const jitattn_variant::Capture* caps;\n"
+        "  int pack;\n"
+        "  template <class Params>\n"
+        f"  {qualifiers} explicit MaskMod(const Params& p) : {caps}pack(p.pack) {{}}\n"
+        f"  {qualifiers} bool visible({SCORE_ARGS}) const {{\n"
+        f"{_body(visible)}    return {result};\n"
+        "  }\n"
+        f"  {qualifiers} TileClass classify(int b, int kv_head, int q_lo, int q_hi, int kv_lo, int kv_hi) const {{\n"
+        f"{_body(tile)}    return !{verdict}.may_true ? TILE_EMPTY : !{verdict}.may_false ? TILE_FULL : TILE_PARTIAL;\n"
+        "  }\n"
+        "};\n")
