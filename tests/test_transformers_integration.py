@@ -24,21 +24,72 @@ F32, BF16, I32 = torch.float32, torch.bfloat16, torch.int32
 
 def reference_standin(recorded: list):
     """A varlen_attn that appends each call's arguments to `recorded` and answers with the float64
-    reference."""
+    reference (`masked_reference` when the call has a mask_mod)."""
 
     def standin(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False,
-                seqused_k=None, softcap=None):
+                seqused_k=None, softcap=None, mask_mod=None):
         recorded.append(dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k, scale=scale,
-                             window=tuple(window_size), enable_gqa=enable_gqa, seqused_k=seqused_k, softcap=softcap))
+                             window=tuple(window_size), enable_gqa=enable_gqa, seqused_k=seqused_k, softcap=softcap,
+                             mask_mod=mask_mod))
         half = [t.detach().to(BF16) for t in (q, k, v)]
         check_varlen_args(*half, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
                           enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=None, num_splits=None,
                           softcap=softcap)
+        if mask_mod is not None:
+            return masked_reference(q, k, v, cu_q, cu_k, seqused_k, scale, window_size, softcap,
+                                    visibility(mask_mod)).to(q.dtype)
         out, _ = varlen_attn_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
                                        seqused_k=seqused_k, softcap=softcap)
         return out.to(q.dtype)
 
     return standin
+
+
+def visibility(mask_mod):
+    """mask_mod(b, h, q_idx, kv_idx) on broadcast index tensors: a function as it is, a traced
+    Variant through jitattn.variants' float64 reference."""
+    if callable(mask_mod):
+        return mask_mod
+    from jitattn.variants import reference_mask
+
+    return lambda b, h, q_idx, kv_idx: reference_mask(mask_mod, b, h, q_idx, kv_idx)
+
+
+def masked_reference(q, k, v, cu_q, cu_k, seqused_k, scale, window_size, softcap, visible):
+    """Float64 attention over packed sequences (varlen_attn's contract: bottom-right windows, GQA,
+    seqused_k, soft cap) where key kv_idx of sequence b is seen by query head h at q_idx only if
+    visible(b, h, q_idx, kv_idx); a row that sees no key is zero. Differentiable."""
+    heads_q, group = q.shape[1], q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    left, right = window_size
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    used = None if seqused_k is None else seqused_k.tolist()
+    pieces = []
+    for b in range(len(cq) - 1):
+        len_q, len_k = cq[b + 1] - cq[b], (ck[b + 1] - ck[b]) if used is None else used[b]
+        qs = q[cq[b]:cq[b + 1]].double()
+        if len_q == 0 or len_k == 0:
+            pieces.append(qs.new_zeros(len_q, heads_q, v.shape[-1]))
+            continue
+        ks, vs = (t[ck[b]:ck[b] + len_k].double().repeat_interleave(group, 1) for t in (k, v))
+        x = scale * torch.einsum("qhd,khd->hqk", qs, ks)
+        if softcap:
+            x = softcap * torch.tanh(x / softcap)
+        rows = torch.arange(len_q)[:, None] + len_k - len_q
+        cols = torch.arange(len_k)[None, :]
+        allowed = torch.ones(len_q, len_k, dtype=torch.bool)
+        if left >= 0:
+            allowed &= cols >= rows - left
+        if right >= 0:
+            allowed &= cols <= rows + right
+        allowed = allowed & visible(torch.tensor(b), torch.arange(heads_q)[:, None, None], rows[None], cols[None])
+        x = x.masked_fill(~allowed, float("-inf"))
+        top = torch.where(allowed.any(-1, keepdim=True), x.amax(-1, keepdim=True), 0.0).detach()
+        e = torch.exp(x - top)
+        total = e.sum(-1, keepdim=True)
+        p = e / torch.where(total > 0, total, 1.0)
+        pieces.append(torch.einsum("hqk,khd->qhd", p, vs))
+    return torch.cat(pieces)
 
 
 @pytest.fixture
@@ -186,11 +237,11 @@ def test_a_padding_mask_reads_keys_in_place_and_zeroes_padded_rows(calls, len_q)
         out, _ = jt.attention_forward(Attn(), q, k, v, mask)
     call = calls[-1]
     rows = k.stride(0) // k.stride(2)  # a slot per batch row
-    assert call["k"].data_ptr() - k.data_ptr() == 3 * k.stride(2) * k.element_size() * (len_q == 1)
-    assert call["max_k"] == 9 and call["max_q"] == len_q
-    if len_q == 1:  # one sequence per row; the view starts at row 0's first key
+    assert call["k"].data_ptr() == k.data_ptr() and call["v"].data_ptr() == v.data_ptr()
+    assert call["max_k"] == 9 and call["max_q"] == len_q  # the shapes' bounds: nothing read back
+    if len_q == 1:  # one sequence per row, from its first token (row 0: its slot's start) to the mask's end
         assert call["cu_q"].tolist() == [0, 1, 2]
-        assert call["cu_k"].tolist() == [0, rows - 3, rows + 6] and call["seqused_k"].tolist() == [6, 9]
+        assert call["cu_k"].tolist() == [0, rows, rows + 9] and call["seqused_k"].tolist() == [9, 9]
     else:  # padding before, the run, padding after (no keys), per row
         valid = mask[:, -len_q:].sum(-1).tolist()
         assert call["cu_q"].tolist() == [0, len_q - valid[0], len_q, len_q, len_q, 2 * len_q, 2 * len_q]
@@ -227,12 +278,23 @@ def test_refusals_name_what_cannot_be_expressed(calls):
         jt.attention_forward(Attn(), q, k, v, None, s_aux=torch.zeros(4))
     with pytest.raises(ValueError, match=r"2D padding mask.*\(2, 1, 7, 7\)"):
         jt.attention_forward(Attn(), q, k, v, torch.ones(2, 1, 7, 7, dtype=torch.bool))
-    holes = torch.tensor([[1, 1, 0, 1, 1, 1, 1], [1] * 7], dtype=torch.bool)
-    with pytest.raises(ValueError, match=r"gaps inside a row.*sliding window"):
-        jt.attention_forward(Attn(), q, k, v, holes, sliding_window=3)
-    out, _ = jt.attention_forward(Attn(), q, k, v, holes)  # without a window, gaps are fine (unpad keeps order)
-    assert calls[-1]["cu_k"].tolist() == [0, 6, 13] and calls[-1]["window"] == (-1, 0)
-    torch.testing.assert_close(out[holes].double(), sdpa(q, k, v, mask=holes)[holes], rtol=0, atol=1e-5)
+
+
+def test_gaps_inside_a_row_are_exact_with_and_without_a_sliding_window(calls):
+    """The window counts positions in the padded row, as transformers' own masks do (sdpa): gaps
+    are masked by the mask_mod, and the keys keep their places."""
+    q, k, v = qkv()
+    holes = torch.tensor([[1, 1, 0, 1, 1, 1, 1], [0, 1, 1, 0, 0, 1, 1]], dtype=torch.bool)
+    for window in (None, 3):
+        out, _ = jt.attention_forward(Attn(), q, k, v, holes, sliding_window=window)
+        call = calls[-1]
+        assert call["mask_mod"] is not None and call["window"] == ((-1, 0) if window is None else (2, 0))
+        rows = k.stride(0) // k.stride(2)  # read in place: a slot per batch row
+        assert call["cu_k"].tolist() == [0, 0, 7, rows, rows + 1, rows + 7, rows + 7]  # row 1: its span, 1..6
+        want = sdpa(q, k, v, mask=holes, window=window)
+        torch.testing.assert_close(out[holes].double(), want[holes], rtol=0, atol=1e-5)
+        gap_rows = torch.tensor([[0, 0, 1, 0, 0, 0, 0], [0, 0, 0, 1, 1, 0, 0]], dtype=torch.bool)
+        torch.testing.assert_close(out[gap_rows].double(), want[gap_rows], rtol=0, atol=1e-5)  # as sdpa's
 
 
 def test_float32_runs_under_autocast_and_is_refused_without(calls):
@@ -409,14 +471,17 @@ def sync_counter(calls):
         yield counter
 
 
+@pytest.mark.parametrize("padding", jt.PADDINGS)
 @pytest.mark.parametrize("len_q", [9, 1])
-def test_the_layers_after_the_first_make_no_host_sync(sync_counter, len_q):
-    """The padded path: the first layer of a forward pass reads the mask once; the other layers
-    (the same mask tensor) reuse what it derived. The dense path never reads back."""
+def test_no_layer_makes_a_host_sync_and_host_read_padding_reads_once(sync_counter, len_q, padding):
+    """The padded path ("on_device"): no layer reads back, the first included. "host_read": the
+    first layer of a forward pass reads the mask once; the other layers (the same mask tensor)
+    reuse what it derived. The dense path never reads back."""
     q, k, v = qkv(batch=2, len_q=len_q, len_k=9)
     mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9], dtype=torch.bool)
     per_layer = []
-    with sync_counter, torch.no_grad():
+    backend = jt._backend._replace(padding=padding)
+    with jt.use_backend(backend), sync_counter, torch.no_grad():
         for _ in range(4):
             before = len(sync_counter.syncs)
             jt.attention_forward(Attn(), q, k, v, mask)
@@ -425,7 +490,8 @@ def test_the_layers_after_the_first_make_no_host_sync(sync_counter, len_q):
         for _ in range(3):
             jt.attention_forward(Attn(), q, k, v, None)
         dense = len(sync_counter.syncs) - before
-    assert per_layer == [1, 0, 0, 0] and dense == 0, sync_counter.syncs
+    assert per_layer == ([0, 0, 0, 0] if padding == "on_device" else [1, 0, 0, 0]), sync_counter.syncs
+    assert dense == 0, sync_counter.syncs
 
 
 def test_a_new_or_changed_mask_is_read_again(sync_counter):
