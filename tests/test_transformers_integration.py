@@ -9,6 +9,8 @@ with `jitattn.integrations.transformers.use_backend`) that runs varlen_attn's ow
 bfloat16 copy: the kernels' dtypes) and then the float64 reference. The same models against the
 real kernels: tests/test_transformers_gpu.py.
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -168,7 +170,8 @@ def qkv(batch=2, h_q=4, h_kv=2, len_q=7, len_k=7, d=32, dtype=F32, seed=0):
 
 
 def sdpa(q, k, v, mask=None, scale=None, causal=True, window=None):
-    """(B, L_q, H, D) by torch's SDPA in float64, bottom-right causal, with the padding mask."""
+    """(B, L_q, H, D) by torch's SDPA in float64, bottom-right causal, with the padding mask and a
+    sliding window of `window` positions."""
     len_q, len_k = q.shape[2], k.shape[2]
     group = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(group, 1).double() for t in (k, v))
@@ -177,8 +180,8 @@ def sdpa(q, k, v, mask=None, scale=None, causal=True, window=None):
     allowed = torch.ones(len_q, len_k, dtype=torch.bool)
     if causal:
         allowed &= cols <= rows
-    if window:
-        allowed &= rows - cols < window
+    if window:  # FlashAttention's window as transformers maps it: W - 1 to the left (and right, not causal)
+        allowed &= (rows - cols < window) if causal else ((rows - cols).abs() < window)
     allowed = allowed[None, None].expand(q.shape[0], 1, len_q, len_k)
     if mask is not None:
         allowed = allowed & mask.bool()[:, None, None, :]
@@ -548,3 +551,169 @@ def test_padding_with_grad_packs_keys_and_is_differentiable(calls):
     want = torch.autograd.grad((sdpa(*leaves, mask=mask) * g.double()).sum(), leaves)
     for got, ref in zip(grads, want):
         torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------- padding masks of every kind, no host read
+MASK_KINDS = ("left", "right", "gaps", "all-pad and full rows")
+
+
+def random_mask(kind: str, batch: int, length: int, g: torch.Generator) -> torch.Tensor:
+    """(batch, length) bool: each row's tokens left- or right-padded, scattered (gaps inside the
+    row), or (last kind) an all-padding row, a full row and left-padded rows."""
+    mask = torch.zeros(batch, length, dtype=torch.bool)
+    for b in range(batch):
+        n = int(torch.randint(1, length + 1, (1,), generator=g))
+        if kind == "right":
+            mask[b, :n] = True
+        elif kind == "gaps":
+            mask[b] = torch.rand(length, generator=g) < 0.6
+            mask[b, int(torch.randint(0, length, (1,), generator=g))] = True
+        else:
+            mask[b, length - n:] = True
+    if kind == "all-pad and full rows":
+        mask[0], mask[1] = False, True
+    return mask
+
+
+@pytest.fixture
+def host_reads_raise(calls):
+    """A context manager in which every tensor method that reads values back to the host (on a
+    GPU, a sync) raises, except inside the stand-in for varlen_attn (the float64 reference reads
+    its metadata; the kernels do not). The methods are restored on leaving it."""
+    standin = reference_standin(calls)
+    inside = []
+
+    def reading(*args, **kwargs):
+        inside.append(True)
+        try:
+            return standin(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    def forbidden(name, original):
+        def read(*args, **kwargs):
+            if not inside:
+                raise AssertionError(f"the padded path made a host read: {name}")
+            return original(*args, **kwargs)
+
+        return read
+
+    @contextlib.contextmanager
+    def no_host_reads():
+        names = ("tolist", "item", "nonzero", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+        originals = {name: getattr(torch.Tensor, name) for name in names}
+        original_nonzero = torch.nonzero
+        try:
+            for name, original in originals.items():
+                setattr(torch.Tensor, name, forbidden(f"Tensor.{name}", original))
+            torch.nonzero = forbidden("torch.nonzero", original_nonzero)
+            yield
+        finally:
+            for name, original in originals.items():
+                setattr(torch.Tensor, name, original)
+            torch.nonzero = original_nonzero
+
+    with jt.use_backend(jt.Backend(reading, (torch.float16, torch.bfloat16, F32))):
+        yield no_host_reads
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("len_q", [12, 1])
+def test_every_padding_mask_matches_sdpa_with_no_host_read(calls, host_reads_raise, kind, len_q):
+    """Random masks of each kind, the prompt (L_q = L_k) and a decode step, with and without GQA,
+    causal or not, with and without a sliding window, each a new forward pass (first layer
+    included): the valid query rows are sdpa's (float64), and so are query rows inside a gap;
+    the padding before and after a row's queries comes out zero."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    batch, len_k = 4, 12
+    for heads_kv in (2, 4):
+        for causal in (True, False):
+            for window in (None, 4):
+                q, k, v = qkv(batch=batch, h_q=4, h_kv=heads_kv, len_q=len_q, len_k=len_k,
+                              seed=int(torch.randint(0, 2**31, (1,), generator=g)))
+                mask = random_mask(kind, batch, len_k, g)
+                with torch.no_grad(), host_reads_raise():
+                    out, _ = jt.attention_forward(Attn(), q, k, v, mask, is_causal=causal, sliding_window=window)
+                call = calls[-1]
+                assert (call["max_q"], call["max_k"]) == (len_q, len_k) and call["mask_mod"] is not None
+                assert call["k"].data_ptr() == k.data_ptr()  # read in place
+                want = sdpa(q, k, v, mask=mask, causal=causal, window=window)
+                valid_q = mask[:, -len_q:]
+                if len_q == 1:  # one sequence per row: every row attends as sdpa's
+                    inside = torch.ones_like(valid_q)
+                else:  # from the row's first valid query to its last
+                    cols = torch.arange(len_q)
+                    first = torch.where(valid_q, cols, len_q).amin(-1, keepdim=True)
+                    last = torch.where(valid_q, cols, -1).amax(-1, keepdim=True)
+                    inside = (cols >= first) & (cols <= last)
+                said = f"{kind}, {heads_kv} kv heads, causal {causal}, window {window}"
+                torch.testing.assert_close(out[inside].double(), want[inside], rtol=0, atol=1e-5, msg=said)
+                assert (out[~inside] == 0).all(), said
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_host_read_padding_gives_the_same_result_and_leaves_the_mask_mod_out_without_gaps(calls, kind):
+    """Backend.padding "host_read" (the path before, for measuring against): the longest span as
+    max_k, no mask_mod where no row has gaps (row 0's keys then start at its first token: the view
+    moves), the same outputs as "on_device"."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    for len_q in (10, 1):
+        q, k, v = qkv(batch=4, len_q=len_q, len_k=10, seed=int(torch.randint(0, 2**31, (1,), generator=g)))
+        mask = random_mask(kind, 4, 10, g)
+        if kind == "left":
+            mask[:, :2] = False  # every row padded: the longest span is below L_k
+        with torch.no_grad():
+            device, _ = jt.attention_forward(Attn(), q, k, v, mask)
+            with jt.use_backend(jt._backend._replace(padding="host_read")):
+                host, _ = jt.attention_forward(Attn(), q, k, v, mask)
+        call = calls[-1]
+        torch.testing.assert_close(host, device, rtol=0, atol=1e-6)
+        firsts = [int(row.nonzero().min()) if row.any() else 0 for row in mask]
+        spans = [int(row.nonzero().max()) + 1 - first if row.any() else 0 for row, first in zip(mask, firsts)]
+        if len_q == 1:  # each row's keys run from its first token to the mask's end (the query)
+            spans = [10 - first for first in firsts]
+        assert (call["mask_mod"] is None) == all(int(row.sum()) == n for row, n in zip(mask, spans))
+        if call["mask_mod"] is None:
+            assert call["max_k"] == max(spans) and (kind != "left" or call["max_k"] <= 8)
+            if len_q == 1:
+                first = int(mask[0].nonzero().min())
+                assert call["k"].data_ptr() - k.data_ptr() == first * k.stride(2) * k.element_size()
+
+
+def test_a_padded_training_step_with_gaps_is_differentiable(calls):
+    """With grad the keys are packed (B * L_k rows), the mask_mod goes with them, and the
+    gradients are sdpa's (float64) through every valid query row."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    q, k, v = (t.requires_grad_() for t in qkv(batch=3, len_q=8, len_k=8, seed=int(torch.randint(0, 2**31, (1,)))))
+    mask = random_mask("gaps", 3, 8, g)
+    out, _ = jt.attention_forward(Attn(), q, k, v, mask, sliding_window=5)
+    assert calls[-1]["k"].shape == (24, 2, 32) and calls[-1]["mask_mod"] is not None
+    weights = torch.randn(out.shape, generator=g) * mask[:, :, None, None]
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad((sdpa(*leaves, mask=mask, window=5) * weights.double()).sum(), leaves)
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5)
+
+
+def test_the_mask_mod_is_traced_once_and_each_forward_pass_attaches_its_tensors(calls):
+    """With jitattn.variants: the mask_mod handed to varlen_attn is the one traced Variant
+    (tokens[b, kv_idx] or a per-sequence flag), carrying this forward pass's tensors: the flags
+    (N,) and the token table (N, L_k), N = 3 sequences per row."""
+    variants = pytest.importorskip("jitattn.variants")
+    q, k, v = qkv(batch=2, len_q=6, len_k=6)
+    masks = [torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 0, 1, 1, 1]], dtype=torch.bool),
+             torch.tensor([[1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1]], dtype=torch.bool)]
+    seen = []
+    with torch.no_grad():
+        for mask in masks:
+            for _ in range(2):  # two layers of one forward pass
+                jt.attention_forward(Attn(), q, k, v, mask)
+                seen.append(calls[-1]["mask_mod"])
+    assert all(isinstance(m, variants.Variant) and m.kind == "mask_mod" for m in seen)
+    assert len({m.key_text for m in seen}) == 1 and seen[0].captures == (("bool", 1), ("bool", 2))
+    assert seen[0] is seen[1] and seen[2] is seen[3] and seen[0].tensors[1] is not seen[2].tensors[1]
+    whole, tokens = seen[0].tensors
+    assert whole.tolist() == [True, True, True, True, False, True]  # row 1 has a gap
+    assert tokens.shape == (6, 6) and tokens[1].tolist() == [True] * 4 + [False] * 2  # row 0 from its first token
+    assert tokens[4].tolist() == [True, True, False, True, True, True]
