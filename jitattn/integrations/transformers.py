@@ -316,7 +316,7 @@ def _mask_plan(mask: torch.Tensor, len_q: int, len_k: int, rows: int, device: to
         offset = int(host[2])  # the keys' view starts at row 0's first token
         return _MaskPlan(plan.cu_q, torch.cat([slot + first_k, end]) - offset, len_k - first_k, 1, len_k - int(host[1]),
                          offset, None)
-    first_q, span_q, _ = _runs(mask[:, -len_q:])
+    first_q, span_q, _ = (first_k, span_k, count_k) if len_q == len_k else _runs(mask[:, -len_q:])
     first_q = torch.where(span_q > 0, first_q, len_q)  # no valid query: all of the row is padding before
     row_q = torch.arange(batch, dtype=torch.int32, device=device) * len_q
     start_k = slot + first_k
