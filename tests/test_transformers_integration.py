@@ -126,6 +126,13 @@ def test_use_backend_takes_only_a_backend_and_restores_the_previous_one_after_an
     assert len(calls) == before + 1
 
 
+def test_use_backend_refuses_an_unknown_padding_by_name(calls):
+    with pytest.raises(ValueError, match=r"backend\.padding must be one of on_device, host_read, got 'unpad'"):
+        with jt.use_backend(jt.JITATTN_BACKEND._replace(padding="unpad")):
+            pass
+    assert jt.JITATTN_BACKEND.padding == "on_device"
+
+
 # ---------------------------------------------------------------- registration
 def test_register_adds_jitattn_to_both_interfaces():
     from transformers import AttentionInterface
