@@ -4,6 +4,8 @@ attn_implementation="jitattn" against transformers' own sdpa (and eager for Gemm
 each judged against the same weights in float32 (sdpa): logits with padding, greedy generation with
 the KV cache, one training step's loss and gradients, packed (DataCollatorWithFlattening) against
 unpacked. jitattn must be as close to float32 as bfloat16 sdpa is (a small factor of its error).
+Padding masks of every kind (gaps inside rows included) against float64 sdpa, a padded training
+step with gaps, and the padded path with no host sync in any layer.
 The CPU side, with the float64 reference behind the integration: tests/test_transformers_integration.py.
 """
 import math
@@ -14,7 +16,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import jitattn.integrations.transformers as jt  # noqa: E402
-from tests.varlen_utils import DEVICE  # noqa: E402  ("cuda"; JITATTN_TEST_DEVICE=cpu dry-runs this file)
+from tests.varlen_utils import DEVICE, TOL, close  # noqa: E402  ("cuda"; JITATTN_TEST_DEVICE=cpu dry-runs this file)
+from tests.test_transformers_integration import (  # noqa: E402  (the float64 side of the padded path)
+    MASK_KINDS, masked_reference, random_mask, sdpa as sdpa_float64, visibility)
 
 BF16 = torch.bfloat16
 pytestmark = pytest.mark.gpu if DEVICE == "cuda" else []
@@ -29,7 +33,10 @@ def dry_run():
     from jitattn.reference import varlen_attn_reference
 
     def standin(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False,
-                seqused_k=None, softcap=None):
+                seqused_k=None, softcap=None, mask_mod=None):
+        if mask_mod is not None:  # the padded path's mask_mod
+            return masked_reference(q, k, v, cu_q, cu_k, seqused_k, scale, window_size, softcap,
+                                    visibility(mask_mod)).to(q.dtype)
         out, _ = varlen_attn_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
                                        seqused_k=seqused_k, softcap=softcap)
         return out.to(q.dtype)
@@ -217,9 +224,11 @@ def test_the_soft_cap_reaches_the_kernels():
     assert moved > 10 * err, f"soft cap: capped {err:.2e} vs uncapped {moved:.2e} from float32"
 
 
-def test_the_layers_after_the_first_make_no_host_sync_on_the_gpu():
-    """The padded and dense paths under torch.cuda.set_sync_debug_mode("error"): the first layer
-    of a forward pass reads the mask once; the other layers (same mask) and dense calls never."""
+def test_no_layer_of_the_padded_path_syncs_on_the_gpu():
+    """The padded path (left padding, and a mask with gaps) and the dense path under
+    torch.cuda.set_sync_debug_mode("error"), each mask a new tensor, so the first layer of the
+    forward pass (which derives the plan) is checked too. What is warmed outside the check: the
+    kernels' build and the first use of the mask_mod's trace."""
     if DEVICE != "cuda":
         pytest.skip("the sync debug mode needs CUDA")
 
@@ -229,17 +238,83 @@ def test_the_layers_after_the_first_make_no_host_sync_on_the_gpu():
     g = torch.Generator(device="cuda").manual_seed(5)
     q = torch.randn(8, 16, 1, 128, dtype=BF16, device="cuda", generator=g)
     k, v = (torch.randn(8, 4, 320, 128, dtype=BF16, device="cuda", generator=g) for _ in range(2))
-    mask = torch.ones(8, 320, dtype=torch.long, device="cuda")
-    for i in range(8):
-        mask[i, :18 * i] = 0
+
+    def left_padded():
+        mask = torch.ones(8, 320, dtype=torch.long, device="cuda")
+        for i in range(8):
+            mask[i, :18 * i] = 0
+        return mask
+
+    def with_gaps():
+        mask = left_padded()
+        mask[1:, 200:210] = 0
+        return mask
+
     with torch.no_grad():
-        first, _ = jt.attention_forward(Attn(), q, k, v, mask)
+        warm = [jt.attention_forward(Attn(), q, k, v, make())[0] for make in (left_padded, with_gaps)]
         jt.attention_forward(Attn(), q, k, v, None)  # the dense path's starts made once, outside the check
+        masks = [left_padded(), with_gaps()]
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            later = [jt.attention_forward(Attn(), q, k, v, mask)[0] for _ in range(3)]
-            later += [jt.attention_forward(Attn(), q, k, v, None)[0] for _ in range(3)]
+            later = [jt.attention_forward(Attn(), q, k, v, mask)[0] for mask in masks for _ in range(3)]
+            dense = [jt.attention_forward(Attn(), q, k, v, None)[0] for _ in range(3)]
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    assert all(torch.equal(first, out) for out in later[:3])
+    assert all(torch.equal(warm[0], out) for out in later[:3]) and all(torch.equal(warm[1], out) for out in later[3:])
+    assert all(torch.equal(dense[0], out) for out in dense[1:])
+    assert not torch.equal(warm[0], warm[1])  # the gaps were masked
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("len_q", [40, 1])
+def test_every_padding_mask_is_as_close_to_float64_sdpa_as_bfloat16_allows(kind, len_q):
+    """Random masks of each kind (gaps included), the prompt and a decode step, GQA or not, causal
+    or not, with and without a sliding window, through the kernels (bf16) against float64 sdpa on
+    the same inputs: the query rows from each row's first valid query to its last (a decode step:
+    every row), and zeros before and after."""
+    class Attn(torch.nn.Module):
+        is_causal = True
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    batch, len_k, head_dim = 4, 40, 64
+    for heads_kv in (2, 8):
+        for causal in (True, False):
+            for window in (None, 9):
+                q = torch.randn(batch, 8, len_q, head_dim, generator=g)
+                k, v = (torch.randn(batch, heads_kv, len_k, head_dim, generator=g) for _ in range(2))
+                q, k, v = (t.to(BF16) for t in (q, k, v))
+                mask = random_mask(kind, batch, len_k, g)
+                with torch.no_grad():
+                    out, _ = jt.attention_forward(Attn(), *(t.to(DEVICE) for t in (q, k, v)), mask.long().to(DEVICE),
+                                                  is_causal=causal, sliding_window=window)
+                out = out.cpu()
+                want = sdpa_float64(q, k, v, mask=mask, causal=causal, window=window)
+                valid_q = mask[:, -len_q:]
+                cols = torch.arange(len_q)
+                first = torch.where(valid_q, cols, len_q).amin(-1, keepdim=True)
+                last = torch.where(valid_q, cols, -1).amax(-1, keepdim=True)
+                inside = torch.ones_like(valid_q) if len_q == 1 else (cols >= first) & (cols <= last)
+                said = f"{kind}, L_q {len_q}, {heads_kv} kv heads, causal {causal}, window {window}"
+                close(out[inside], want[inside], *TOL[BF16], said)  # the kernels' bf16 tolerances
+                assert (out[~inside] == 0).all(), said
+
+
+def test_a_padded_training_step_with_gaps_matches_float64():
+    """With grad (keys packed, the mask_mod through the kernels' backward): the gradients of a
+    batch with gaps inside its rows and a sliding window against float64 sdpa."""
+    class Attn(torch.nn.Module):
+        is_causal = True
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    q = torch.randn(3, 8, 48, 64, generator=g).to(BF16)
+    k, v = (torch.randn(3, 2, 48, 64, generator=g).to(BF16) for _ in range(2))
+    mask = random_mask("gaps", 3, 48, g)
+    leaves = [t.to(DEVICE).requires_grad_() for t in (q, k, v)]
+    out, _ = jt.attention_forward(Attn(), *leaves, mask.long().to(DEVICE), sliding_window=16)
+    weights = torch.randn(out.shape, generator=g) * mask[:, :, None, None]
+    grads = torch.autograd.grad((out.float() * weights.to(DEVICE)).sum(), leaves)
+    exact = [t.double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad((sdpa_float64(*exact, mask=mask, window=16) * weights.double()).sum(), exact)
+    for name, got, ref in zip("qkv", grads, want):
+        assert rel(got.cpu(), ref) <= 2e-2, f"d{name}: {rel(got.cpu(), ref):.3e} from float64"

@@ -9,6 +9,8 @@ with `jitattn.integrations.transformers.use_backend`) that runs varlen_attn's ow
 bfloat16 copy: the kernels' dtypes) and then the float64 reference. The same models against the
 real kernels: tests/test_transformers_gpu.py.
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -24,21 +26,72 @@ F32, BF16, I32 = torch.float32, torch.bfloat16, torch.int32
 
 def reference_standin(recorded: list):
     """A varlen_attn that appends each call's arguments to `recorded` and answers with the float64
-    reference."""
+    reference (`masked_reference` when the call has a mask_mod)."""
 
     def standin(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False,
-                seqused_k=None, softcap=None):
+                seqused_k=None, softcap=None, mask_mod=None):
         recorded.append(dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k, scale=scale,
-                             window=tuple(window_size), enable_gqa=enable_gqa, seqused_k=seqused_k, softcap=softcap))
+                             window=tuple(window_size), enable_gqa=enable_gqa, seqused_k=seqused_k, softcap=softcap,
+                             mask_mod=mask_mod))
         half = [t.detach().to(BF16) for t in (q, k, v)]
         check_varlen_args(*half, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
                           enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=None, num_splits=None,
                           softcap=softcap)
+        if mask_mod is not None:
+            return masked_reference(q, k, v, cu_q, cu_k, seqused_k, scale, window_size, softcap,
+                                    visibility(mask_mod)).to(q.dtype)
         out, _ = varlen_attn_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
                                        seqused_k=seqused_k, softcap=softcap)
         return out.to(q.dtype)
 
     return standin
+
+
+def visibility(mask_mod):
+    """mask_mod(b, h, q_idx, kv_idx) on broadcast index tensors: a function as it is, a traced
+    Variant through jitattn.variants' float64 reference."""
+    if callable(mask_mod):
+        return mask_mod
+    from jitattn.variants import reference_mask
+
+    return lambda b, h, q_idx, kv_idx: reference_mask(mask_mod, b, h, q_idx, kv_idx)
+
+
+def masked_reference(q, k, v, cu_q, cu_k, seqused_k, scale, window_size, softcap, visible):
+    """Float64 attention over packed sequences (varlen_attn's contract: bottom-right windows, GQA,
+    seqused_k, soft cap) where key kv_idx of sequence b is seen by query head h at q_idx only if
+    visible(b, h, q_idx, kv_idx); a row that sees no key is zero. Differentiable."""
+    heads_q, group = q.shape[1], q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    left, right = window_size
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    used = None if seqused_k is None else seqused_k.tolist()
+    pieces = []
+    for b in range(len(cq) - 1):
+        len_q, len_k = cq[b + 1] - cq[b], (ck[b + 1] - ck[b]) if used is None else used[b]
+        qs = q[cq[b]:cq[b + 1]].double()
+        if len_q == 0 or len_k == 0:
+            pieces.append(qs.new_zeros(len_q, heads_q, v.shape[-1]))
+            continue
+        ks, vs = (t[ck[b]:ck[b] + len_k].double().repeat_interleave(group, 1) for t in (k, v))
+        x = scale * torch.einsum("qhd,khd->hqk", qs, ks)
+        if softcap:
+            x = softcap * torch.tanh(x / softcap)
+        rows = torch.arange(len_q)[:, None] + len_k - len_q
+        cols = torch.arange(len_k)[None, :]
+        allowed = torch.ones(len_q, len_k, dtype=torch.bool)
+        if left >= 0:
+            allowed &= cols >= rows - left
+        if right >= 0:
+            allowed &= cols <= rows + right
+        allowed = allowed & visible(torch.tensor(b), torch.arange(heads_q)[:, None, None], rows[None], cols[None])
+        x = x.masked_fill(~allowed, float("-inf"))
+        top = torch.where(allowed.any(-1, keepdim=True), x.amax(-1, keepdim=True), 0.0).detach()
+        e = torch.exp(x - top)
+        total = e.sum(-1, keepdim=True)
+        p = e / torch.where(total > 0, total, 1.0)
+        pieces.append(torch.einsum("hqk,khd->qhd", p, vs))
+    return torch.cat(pieces)
 
 
 @pytest.fixture
@@ -71,6 +124,13 @@ def test_use_backend_takes_only_a_backend_and_restores_the_previous_one_after_an
     before = len(calls)
     jt.attention_forward(Attn(), q, k, v, None)  # back on the fixture's reference stand-in
     assert len(calls) == before + 1
+
+
+def test_use_backend_refuses_an_unknown_padding_by_name(calls):
+    with pytest.raises(ValueError, match=r"backend\.padding must be one of on_device, host_read, got 'unpad'"):
+        with jt.use_backend(jt.JITATTN_BACKEND._replace(padding="unpad")):
+            pass
+    assert jt.JITATTN_BACKEND.padding == "on_device"
 
 
 # ---------------------------------------------------------------- registration
@@ -117,7 +177,8 @@ def qkv(batch=2, h_q=4, h_kv=2, len_q=7, len_k=7, d=32, dtype=F32, seed=0):
 
 
 def sdpa(q, k, v, mask=None, scale=None, causal=True, window=None):
-    """(B, L_q, H, D) by torch's SDPA in float64, bottom-right causal, with the padding mask."""
+    """(B, L_q, H, D) by torch's SDPA in float64, bottom-right causal, with the padding mask and a
+    sliding window of `window` positions."""
     len_q, len_k = q.shape[2], k.shape[2]
     group = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(group, 1).double() for t in (k, v))
@@ -126,8 +187,8 @@ def sdpa(q, k, v, mask=None, scale=None, causal=True, window=None):
     allowed = torch.ones(len_q, len_k, dtype=torch.bool)
     if causal:
         allowed &= cols <= rows
-    if window:
-        allowed &= rows - cols < window
+    if window:  # FlashAttention's window as transformers maps it: W - 1 to the left (and right, not causal)
+        allowed &= (rows - cols < window) if causal else ((rows - cols).abs() < window)
     allowed = allowed[None, None].expand(q.shape[0], 1, len_q, len_k)
     if mask is not None:
         allowed = allowed & mask.bool()[:, None, None, :]
@@ -186,11 +247,11 @@ def test_a_padding_mask_reads_keys_in_place_and_zeroes_padded_rows(calls, len_q)
         out, _ = jt.attention_forward(Attn(), q, k, v, mask)
     call = calls[-1]
     rows = k.stride(0) // k.stride(2)  # a slot per batch row
-    assert call["k"].data_ptr() - k.data_ptr() == 3 * k.stride(2) * k.element_size() * (len_q == 1)
-    assert call["max_k"] == 9 and call["max_q"] == len_q
-    if len_q == 1:  # one sequence per row; the view starts at row 0's first key
+    assert call["k"].data_ptr() == k.data_ptr() and call["v"].data_ptr() == v.data_ptr()
+    assert call["max_k"] == 9 and call["max_q"] == len_q  # the shapes' bounds: nothing read back
+    if len_q == 1:  # one sequence per row, from its first token (row 0: its slot's start) to the mask's end
         assert call["cu_q"].tolist() == [0, 1, 2]
-        assert call["cu_k"].tolist() == [0, rows - 3, rows + 6] and call["seqused_k"].tolist() == [6, 9]
+        assert call["cu_k"].tolist() == [0, rows, rows + 9] and call["seqused_k"].tolist() == [9, 9]
     else:  # padding before, the run, padding after (no keys), per row
         valid = mask[:, -len_q:].sum(-1).tolist()
         assert call["cu_q"].tolist() == [0, len_q - valid[0], len_q, len_q, len_q, 2 * len_q, 2 * len_q]
@@ -227,12 +288,23 @@ def test_refusals_name_what_cannot_be_expressed(calls):
         jt.attention_forward(Attn(), q, k, v, None, s_aux=torch.zeros(4))
     with pytest.raises(ValueError, match=r"2D padding mask.*\(2, 1, 7, 7\)"):
         jt.attention_forward(Attn(), q, k, v, torch.ones(2, 1, 7, 7, dtype=torch.bool))
-    holes = torch.tensor([[1, 1, 0, 1, 1, 1, 1], [1] * 7], dtype=torch.bool)
-    with pytest.raises(ValueError, match=r"gaps inside a row.*sliding window"):
-        jt.attention_forward(Attn(), q, k, v, holes, sliding_window=3)
-    out, _ = jt.attention_forward(Attn(), q, k, v, holes)  # without a window, gaps are fine (unpad keeps order)
-    assert calls[-1]["cu_k"].tolist() == [0, 6, 13] and calls[-1]["window"] == (-1, 0)
-    torch.testing.assert_close(out[holes].double(), sdpa(q, k, v, mask=holes)[holes], rtol=0, atol=1e-5)
+
+
+def test_gaps_inside_a_row_are_exact_with_and_without_a_sliding_window(calls):
+    """The window counts positions in the padded row, as transformers' own masks do (sdpa): gaps
+    are masked by the mask_mod, and the keys keep their places."""
+    q, k, v = qkv()
+    holes = torch.tensor([[1, 1, 0, 1, 1, 1, 1], [0, 1, 1, 0, 0, 1, 1]], dtype=torch.bool)
+    for window in (None, 3):
+        out, _ = jt.attention_forward(Attn(), q, k, v, holes, sliding_window=window)
+        call = calls[-1]
+        assert call["mask_mod"] is not None and call["window"] == ((-1, 0) if window is None else (2, 0))
+        rows = k.stride(0) // k.stride(2)  # read in place: a slot per batch row
+        assert call["cu_k"].tolist() == [0, 0, 7, rows, rows + 1, rows + 7, rows + 7]  # row 1: its span, 1..6
+        want = sdpa(q, k, v, mask=holes, window=window)
+        torch.testing.assert_close(out[holes].double(), want[holes], rtol=0, atol=1e-5)
+        gap_rows = torch.tensor([[0, 0, 1, 0, 0, 0, 0], [0, 0, 0, 1, 1, 0, 0]], dtype=torch.bool)
+        torch.testing.assert_close(out[gap_rows].double(), want[gap_rows], rtol=0, atol=1e-5)  # as sdpa's
 
 
 def test_float32_runs_under_autocast_and_is_refused_without(calls):
@@ -409,14 +481,17 @@ def sync_counter(calls):
         yield counter
 
 
+@pytest.mark.parametrize("padding", jt.PADDINGS)
 @pytest.mark.parametrize("len_q", [9, 1])
-def test_the_layers_after_the_first_make_no_host_sync(sync_counter, len_q):
-    """The padded path: the first layer of a forward pass reads the mask once; the other layers
-    (the same mask tensor) reuse what it derived. The dense path never reads back."""
+def test_no_layer_makes_a_host_sync_and_host_read_padding_reads_once(sync_counter, len_q, padding):
+    """The padded path ("on_device"): no layer reads back, the first included. "host_read": the
+    first layer of a forward pass reads the mask once; the other layers (the same mask tensor)
+    reuse what it derived. The dense path never reads back."""
     q, k, v = qkv(batch=2, len_q=len_q, len_k=9)
     mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9], dtype=torch.bool)
     per_layer = []
-    with sync_counter, torch.no_grad():
+    backend = jt._backend._replace(padding=padding)
+    with jt.use_backend(backend), sync_counter, torch.no_grad():
         for _ in range(4):
             before = len(sync_counter.syncs)
             jt.attention_forward(Attn(), q, k, v, mask)
@@ -425,7 +500,8 @@ def test_the_layers_after_the_first_make_no_host_sync(sync_counter, len_q):
         for _ in range(3):
             jt.attention_forward(Attn(), q, k, v, None)
         dense = len(sync_counter.syncs) - before
-    assert per_layer == [1, 0, 0, 0] and dense == 0, sync_counter.syncs
+    assert per_layer == ([0, 0, 0, 0] if padding == "on_device" else [1, 0, 0, 0]), sync_counter.syncs
+    assert dense == 0, sync_counter.syncs
 
 
 def test_a_new_or_changed_mask_is_read_again(sync_counter):
@@ -482,3 +558,169 @@ def test_padding_with_grad_packs_keys_and_is_differentiable(calls):
     want = torch.autograd.grad((sdpa(*leaves, mask=mask) * g.double()).sum(), leaves)
     for got, ref in zip(grads, want):
         torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------- padding masks of every kind, no host read
+MASK_KINDS = ("left", "right", "gaps", "all-pad and full rows")
+
+
+def random_mask(kind: str, batch: int, length: int, g: torch.Generator) -> torch.Tensor:
+    """(batch, length) bool: each row's tokens left- or right-padded, scattered (gaps inside the
+    row), or (last kind) an all-padding row, a full row and left-padded rows."""
+    mask = torch.zeros(batch, length, dtype=torch.bool)
+    for b in range(batch):
+        n = int(torch.randint(1, length + 1, (1,), generator=g))
+        if kind == "right":
+            mask[b, :n] = True
+        elif kind == "gaps":
+            mask[b] = torch.rand(length, generator=g) < 0.6
+            mask[b, int(torch.randint(0, length, (1,), generator=g))] = True
+        else:
+            mask[b, length - n:] = True
+    if kind == "all-pad and full rows":
+        mask[0], mask[1] = False, True
+    return mask
+
+
+@pytest.fixture
+def host_reads_raise(calls):
+    """A context manager in which every tensor method that reads values back to the host (on a
+    GPU, a sync) raises, except inside the stand-in for varlen_attn (the float64 reference reads
+    its metadata; the kernels do not). The methods are restored on leaving it."""
+    standin = reference_standin(calls)
+    inside = []
+
+    def reading(*args, **kwargs):
+        inside.append(True)
+        try:
+            return standin(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    def forbidden(name, original):
+        def read(*args, **kwargs):
+            if not inside:
+                raise AssertionError(f"the padded path made a host read: {name}")
+            return original(*args, **kwargs)
+
+        return read
+
+    @contextlib.contextmanager
+    def no_host_reads():
+        names = ("tolist", "item", "nonzero", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+        originals = {name: getattr(torch.Tensor, name) for name in names}
+        original_nonzero = torch.nonzero
+        try:
+            for name, original in originals.items():
+                setattr(torch.Tensor, name, forbidden(f"Tensor.{name}", original))
+            torch.nonzero = forbidden("torch.nonzero", original_nonzero)
+            yield
+        finally:
+            for name, original in originals.items():
+                setattr(torch.Tensor, name, original)
+            torch.nonzero = original_nonzero
+
+    with jt.use_backend(jt.Backend(reading, (torch.float16, torch.bfloat16, F32))):
+        yield no_host_reads
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("len_q", [12, 1])
+def test_every_padding_mask_matches_sdpa_with_no_host_read(calls, host_reads_raise, kind, len_q):
+    """Random masks of each kind, the prompt (L_q = L_k) and a decode step, with and without GQA,
+    causal or not, with and without a sliding window, each a new forward pass (first layer
+    included): the valid query rows are sdpa's (float64), and so are query rows inside a gap;
+    the padding before and after a row's queries comes out zero."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    batch, len_k = 4, 12
+    for heads_kv in (2, 4):
+        for causal in (True, False):
+            for window in (None, 4):
+                q, k, v = qkv(batch=batch, h_q=4, h_kv=heads_kv, len_q=len_q, len_k=len_k,
+                              seed=int(torch.randint(0, 2**31, (1,), generator=g)))
+                mask = random_mask(kind, batch, len_k, g)
+                with torch.no_grad(), host_reads_raise():
+                    out, _ = jt.attention_forward(Attn(), q, k, v, mask, is_causal=causal, sliding_window=window)
+                call = calls[-1]
+                assert (call["max_q"], call["max_k"]) == (len_q, len_k) and call["mask_mod"] is not None
+                assert call["k"].data_ptr() == k.data_ptr()  # read in place
+                want = sdpa(q, k, v, mask=mask, causal=causal, window=window)
+                valid_q = mask[:, -len_q:]
+                if len_q == 1:  # one sequence per row: every row attends as sdpa's
+                    inside = torch.ones_like(valid_q)
+                else:  # from the row's first valid query to its last
+                    cols = torch.arange(len_q)
+                    first = torch.where(valid_q, cols, len_q).amin(-1, keepdim=True)
+                    last = torch.where(valid_q, cols, -1).amax(-1, keepdim=True)
+                    inside = (cols >= first) & (cols <= last)
+                said = f"{kind}, {heads_kv} kv heads, causal {causal}, window {window}"
+                torch.testing.assert_close(out[inside].double(), want[inside], rtol=0, atol=1e-5, msg=said)
+                assert (out[~inside] == 0).all(), said
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_host_read_padding_gives_the_same_result_and_leaves_the_mask_mod_out_without_gaps(calls, kind):
+    """Backend.padding "host_read" (the path before, for measuring against): the longest span as
+    max_k, no mask_mod where no row has gaps (row 0's keys then start at its first token: the view
+    moves), the same outputs as "on_device"."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    for len_q in (10, 1):
+        q, k, v = qkv(batch=4, len_q=len_q, len_k=10, seed=int(torch.randint(0, 2**31, (1,), generator=g)))
+        mask = random_mask(kind, 4, 10, g)
+        if kind == "left":
+            mask[:, :2] = False  # every row padded: the longest span is below L_k
+        with torch.no_grad():
+            device, _ = jt.attention_forward(Attn(), q, k, v, mask)
+            with jt.use_backend(jt._backend._replace(padding="host_read")):
+                host, _ = jt.attention_forward(Attn(), q, k, v, mask)
+        call = calls[-1]
+        torch.testing.assert_close(host, device, rtol=0, atol=1e-6)
+        firsts = [int(row.nonzero().min()) if row.any() else 0 for row in mask]
+        spans = [int(row.nonzero().max()) + 1 - first if row.any() else 0 for row, first in zip(mask, firsts)]
+        if len_q == 1:  # each row's keys run from its first token to the mask's end (the query)
+            spans = [10 - first for first in firsts]
+        assert (call["mask_mod"] is None) == all(int(row.sum()) == n for row, n in zip(mask, spans))
+        if call["mask_mod"] is None:
+            assert call["max_k"] == max(spans) and (kind != "left" or call["max_k"] <= 8)
+            if len_q == 1:
+                first = int(mask[0].nonzero().min())
+                assert call["k"].data_ptr() - k.data_ptr() == first * k.stride(2) * k.element_size()
+
+
+def test_a_padded_training_step_with_gaps_is_differentiable(calls):
+    """With grad the keys are packed (B * L_k rows), the mask_mod goes with them, and the
+    gradients are sdpa's (float64) through every valid query row."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    q, k, v = (t.requires_grad_() for t in qkv(batch=3, len_q=8, len_k=8, seed=int(torch.randint(0, 2**31, (1,)))))
+    mask = random_mask("gaps", 3, 8, g)
+    out, _ = jt.attention_forward(Attn(), q, k, v, mask, sliding_window=5)
+    assert calls[-1]["k"].shape == (24, 2, 32) and calls[-1]["mask_mod"] is not None
+    weights = torch.randn(out.shape, generator=g) * mask[:, :, None, None]
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad((sdpa(*leaves, mask=mask, window=5) * weights.double()).sum(), leaves)
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5)
+
+
+def test_the_mask_mod_is_traced_once_and_each_forward_pass_attaches_its_tensors(calls):
+    """With jitattn.variants: the mask_mod handed to varlen_attn is the one traced Variant
+    (tokens[b, kv_idx] or a per-sequence flag), carrying this forward pass's tensors: the flags
+    (N,) and the token table (N, L_k), N = 3 sequences per row."""
+    variants = pytest.importorskip("jitattn.variants")
+    q, k, v = qkv(batch=2, len_q=6, len_k=6)
+    masks = [torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 0, 1, 1, 1]], dtype=torch.bool),
+             torch.tensor([[1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1]], dtype=torch.bool)]
+    seen = []
+    with torch.no_grad():
+        for mask in masks:
+            for _ in range(2):  # two layers of one forward pass
+                jt.attention_forward(Attn(), q, k, v, mask)
+                seen.append(calls[-1]["mask_mod"])
+    assert all(isinstance(m, variants.Variant) and m.kind == "mask_mod" for m in seen)
+    assert len({m.key_text for m in seen}) == 1 and seen[0].captures == (("bool", 1), ("bool", 2))
+    assert seen[0] is seen[1] and seen[2] is seen[3] and seen[0].tensors[1] is not seen[2].tensors[1]
+    whole, tokens = seen[0].tensors
+    assert whole.tolist() == [True, True, True, True, False, True]  # row 1 has a gap
+    assert tokens.shape == (6, 6) and tokens[1].tolist() == [True] * 4 + [False] * 2  # row 0 from its first token
+    assert tokens[4].tolist() == [True, True, False, True, True, True]

@@ -1,6 +1,6 @@
 """transformers models with attn_implementation="jitattn" beside "sdpa", in the same run (issue 47's table).
 
-PYTHONPATH=. python tools/bench_transformers.py [--layers 4 32] [--new 64] [--profile]
+PYTHONPATH=. python tools/bench_transformers.py [--layers 4 32] [--new 64] [--profile] [--host-read]
 
 Random weights, bf16, on the GPU. Rows:
   generate b1 / b8:   a Llama (hidden 2048, 16 query heads of 128 over 4 KV heads), greedy, 256-token
@@ -15,7 +15,12 @@ Each case is timed as the median of a few runs after a warm-up, with sdpa and ji
 in one process. Then SDPA's flash path (sdpa_kernel(FLASH_ATTENTION)) with torch's own kernels
 beside the same with jitattn active as torch's flash provider (jitattn.activate()), and SDPA's
 default choice, for the cases SDPA can send to flash (no mask): generate b1 and a dense train step.
---profile prints the host-side profile of one batch-8 decode step per implementation.
+--profile prints the host-side profile of one batch-8 decode step per implementation, and the host
+and device totals of one encoder forward (d32).
+--host-read adds a column to the padded cases (generate b8, train padded, the encoders): jitattn
+with Backend.padding="host_read", the padded path before issue 47 item 2 (one host read per
+forward pass, tight max_k, no mask_mod without gaps), beside the default "on_device" (no host
+read; the mask_mod on every padded call) in the same run.
 """
 from __future__ import annotations
 
@@ -120,13 +125,25 @@ def encode_rate(m, batch):
         return batch["input_ids"].shape[0] / timed(lambda: m(**batch), 5)
 
 
+HOST_READ = "jitattn:host_read"  # jitattn with Backend.padding="host_read"
+
+
+def padding(impl: str):
+    """The context an implementation runs in: "jitattn:<padding>" sets Backend.padding."""
+    name, _, how = impl.partition(":")
+    if not how:
+        return contextlib.nullcontext()
+    return jt.use_backend(jt.JITATTN_BACKEND._replace(padding=how))
+
+
 def compare(make, case, impls=("sdpa", "jitattn")):
     """{impl: rate} for one case, each implementation on the same weights."""
     rates, state = {}, None
     for impl in impls:
-        m = make(impl, state)
+        m = make(impl.partition(":")[0], state)
         state = state or m.state_dict()
-        rates[impl] = case(m)
+        with padding(impl):
+            rates[impl] = case(m)
         del m
         torch.cuda.empty_cache()
     return rates
@@ -190,33 +207,67 @@ def profile_decode(data, layers):
         torch.cuda.empty_cache()
 
 
+def profile_encoder(data, impls):
+    """Host (self CPU) and device (self CUDA) totals of one encoder forward (d32, 256 sentences)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    state = None
+    print("\n-- one encoder forward, d32, 256 padded sentences: totals")
+    for impl in impls:
+        m = encoder(impl.partition(":")[0], 12, state).eval()
+        state = state or m.state_dict()
+        with torch.no_grad(), padding(impl):
+            for _ in range(3):  # warm
+                m(**data["sentences"])
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                m(**data["sentences"])
+                torch.cuda.synchronize()
+        events = prof.key_averages()
+        host = sum(e.self_cpu_time_total for e in events) / 1e3
+        device = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events) / 1e3
+        syncs = sum(e.count for e in events if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                          "cudaMemcpyAsync", "aten::item", "aten::_local_scalar_dense"))
+        print(f"{impl:20s} host {host:8.2f} ms  device {device:8.2f} ms  sync-like calls {syncs}")
+        del m
+        torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 32])
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--host-read", action="store_true",
+                        help='also jitattn with Backend.padding="host_read" on the padded cases')
     args = parser.parse_args()
     jt.register()
     data = inputs(torch.Generator().manual_seed(1))
+    padded = ("sdpa", "jitattn", HOST_READ) if args.host_read else ("sdpa", "jitattn")
     table = []
     for layers in args.layers:
         for name, key in (("generate b1 tok/s", "b1"), ("generate b8 padded tok/s", "b8")):
             table.append((f"{name}, {layers} layers", compare(lambda impl, s: llama(impl, layers, s),
-                                                              lambda m: generate_rate(m, data[key], args.new))))
+                                                              lambda m: generate_rate(m, data[key], args.new),
+                                                              padded if key == "b8" else ("sdpa", "jitattn"))))
     layers = args.layers[0]
     table.append((f"train packed tok/s, {layers} layers", compare(
         lambda impl, s: llama(impl, layers, s), lambda m: train_rate(m, data["packed"], BATCH * SEQ))))
     padded_tokens = int(data["padded"]["attention_mask"].sum())
     table.append((f"train padded tok/s, {layers} layers", compare(
-        lambda impl, s: llama(impl, layers, s), lambda m: train_rate(m, data["padded"], padded_tokens))))
+        lambda impl, s: llama(impl, layers, s), lambda m: train_rate(m, data["padded"], padded_tokens), padded)))
     for heads in (12, 6):
         table.append((f"encoder d{384 // heads} sentences/s", compare(
-            lambda impl, s: encoder(impl, heads, s), lambda m: encode_rate(m, data["sentences"]))))
+            lambda impl, s: encoder(impl, heads, s), lambda m: encode_rate(m, data["sentences"]), padded)))
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"bf16; Llama hidden 2048, 16/4 heads of 128; prompts {PROMPT}, {args.new} new tokens")
-    print(f"{'case':42s} {'sdpa':>10s} {'jitattn':>10s} {'ratio':>7s}")
+    extra = f" {'host_read':>10s} {'ratio':>7s}" if args.host_read else ""
+    print(f"{'case':42s} {'sdpa':>10s} {'jitattn':>10s} {'ratio':>7s}{extra}")
     for name, rates in table:
-        print(f"{name:42s} {rates['sdpa']:10.0f} {rates['jitattn']:10.0f} {rates['jitattn'] / rates['sdpa']:6.2f}x")
+        line = f"{name:42s} {rates['sdpa']:10.0f} {rates['jitattn']:10.0f} {rates['jitattn'] / rates['sdpa']:6.2f}x"
+        if HOST_READ in rates:
+            line += f" {rates[HOST_READ]:10.0f} {rates[HOST_READ] / rates['sdpa']:6.2f}x"
+        print(line)
     flash = flash_provider_rows(data, layers, args.new)
     print(f"\nSDPA through torch's flash-attention registry, {layers} layers "
           "(flash: sdpa_kernel(FLASH_ATTENTION); jitattn: the same with jitattn.activate())")
@@ -226,6 +277,7 @@ def main():
               f"{r['jitattn'] / r['flash']:8.2f}x {r['jitattn'] / r['default']:10.2f}x")
     if args.profile:
         profile_decode(data, layers)
+        profile_encoder(data, padded)
 
 
 if __name__ == "__main__":

@@ -13,16 +13,22 @@ and needs no flash-attn package. How a call maps (query (B, H_q, L_q, D), key/va
   inference call (no grad) are read where they lie, as slots of a strided view with `seqused_k`
   (a KV cache is never copied); with grad they are packed too.
 - a padding mask (the 2D (B, L_k) mask transformers hands an implementation that registers
-  FlashAttention's mask function, as this one does), with each row's tokens in one run (left or
-  right padding): keys and values are read in place (inference) with `seqused_k` and per-row
-  starts; queries stay in their padded rows, each row split into three sequences (padding before,
-  tokens, padding after; the padding ones have no keys, so their rows come out zero). Queries are
-  the mask's last L_q columns (left padding, as transformers assumes). A mask with gaps inside a
-  row is unpadded -> varlen -> padded back, as transformers' flash-attn integration does.
-- per forward pass, not per layer: what the mask (or packed position_ids) says is derived by the
-  first layer and reused by the others (`_PER_FORWARD`, keyed by the tensor's identity and
-  version), with one host read per forward pass (the longest row, and whether a row has gaps);
-  the other layers make no host sync. The dense path's sequence starts are made once per shape.
+  FlashAttention's mask function, as this one does): keys and values are read in place
+  (inference) with `seqused_k` and per-row starts, each row's keys the span from its first token
+  to its last; queries stay in their padded rows (the mask's last L_q columns, left padding as
+  transformers assumes), each row split into three sequences (padding before, the span of valid
+  queries, padding after; the padding ones have no keys, so their rows come out zero). Padding
+  inside a span (gaps) is masked by a mask_mod that reads the mask on the device, on every padded
+  call: exact for every mask, and a row without gaps pays no load per element (its tiles classify
+  FULL from one per-sequence flag, `_key_is_token`). Positions are the padded row's, as in
+  transformers' own masks, so causal and sliding windows stay exact with gaps; a query row inside
+  a gap attends as sdpa's does (to the tokens its window lets it see).
+- no host sync on the padded path, in any layer: max_q / max_k are the shapes' bounds (L_q, L_k),
+  which the kernels accept (they size the grid; each sequence stops at its own length). What the
+  mask says is derived on the device by the first layer of a forward pass and reused by the others
+  (`_PER_FORWARD`, keyed by the tensor's identity and version). The dense path's sequence starts
+  are made once per shape. (transformers' own FlashAttention mask function reads the mask once
+  per forward pass, `attention_mask.all()`, before the model's layers.)
 - `Backend` / `use_backend` is the seam between the argument mapping and the kernel (tests put
   the float64 reference there, as `torch_flash.Kernels` / `use_kernels` do for that provider).
 - packed sequences (batch 1): `cu_seq_lens_q/k` + `max_length_q/k` (DataCollatorWithFlattening
@@ -32,13 +38,13 @@ and needs no flash-attn package. How a call maps (query (B, H_q, L_q, D), key/va
   (Gemma-2's `attn_logit_softcapping`) -> varlen_attn's softcap.
 
 Refused with an error naming the argument, never computed some other way: attention dropout
-> 0, attention sinks (`s_aux`), 4D or other custom masks, and a padding mask with gaps inside a
-row when a sliding window is in effect (the window would count tokens, not positions).
+> 0, attention sinks (`s_aux`), 4D or other custom masks.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -60,6 +66,7 @@ def register(name: str = NAME) -> str:
                           "install it with `pip install 'jitattn[transformers]'`") from exc
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+    _padding_variant()  # traced here, not inside a model's first forward pass (which torch.compile may trace)
     return name
 
 
@@ -78,7 +85,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     common = {"scale": scaling, "window_size": _window(causal, sliding_window), "enable_gqa": heads_q != heads_kv,
               "softcap": softcap}
     if attention_mask is not None:
-        out = _padded(query, key, value, attention_mask, common, windowed=common["window_size"][0] >= 0)
+        out = _padded(query, key, value, attention_mask, common)
     else:
         packed = _packed_lengths(batch, len_q, len_k, query.device, kwargs)
         if packed is not None:
@@ -98,11 +105,19 @@ def _jitattn_varlen_attn(*args, **kwargs):
 
 
 class Backend(NamedTuple):
-    """What the attention calls run on: `varlen_attn`, with jitattn.varlen_attn's signature, and the
-    dtypes it computes in (others are cast under autocast, or refused)."""
+    """What the attention calls run on: `varlen_attn`, with jitattn.varlen_attn's signature, the
+    dtypes it computes in (others are cast under autocast, or refused), and how a padding mask is
+    read (PADDINGS): "on_device" never reads it back; "host_read" reads the longest run and
+    whether a row has gaps once per forward pass, and passes no mask_mod for masks without gaps
+    (the path before issue 47 item 2, kept to measure against: tools/bench_transformers.py
+    --host-read). Both are exact."""
 
     varlen_attn: Callable
     dtypes: tuple = (torch.float16, torch.bfloat16)
+    padding: str = "on_device"
+
+
+PADDINGS = ("on_device", "host_read")
 
 
 JITATTN_BACKEND = Backend(_jitattn_varlen_attn)
@@ -117,6 +132,8 @@ def use_backend(backend: Backend) -> Iterator[Backend]:
     if not isinstance(backend, Backend):
         raise TypeError(f"backend must be a jitattn.integrations.transformers.Backend, "
                         f"got {type(backend).__name__}")
+    if backend.padding not in PADDINGS:
+        raise ValueError(f"backend.padding must be one of {', '.join(PADDINGS)}, got {backend.padding!r}")
     previous, _backend = _backend, backend
     _PER_FORWARD.clear()
     try:
@@ -229,9 +246,9 @@ def _slots(t: torch.Tensor):
     return view, rows
 
 
-def _padded(query, key, value, mask, common, windowed: bool):
-    """A padding mask whose rows each hold one run of tokens: in place, no host sync after the
-    forward pass's first layer (the module docstring); a mask with gaps: `_unpadded`."""
+def _padded(query, key, value, mask, common):
+    """A 2D padding mask: keys and values read in place (inference), the plan derived once per
+    forward pass (`_mask_plan`), no host sync in `on_device` padding (the module docstring)."""
     batch, heads_q, len_q, head_dim = query.shape
     if key.shape[2] > mask.shape[1]:  # a static cache longer than the mask: only the mask's keys
         key, value = key[:, :, :mask.shape[1]], value[:, :, :mask.shape[1]]
@@ -243,18 +260,15 @@ def _padded(query, key, value, mask, common, windowed: bool):
     else:
         k, v = (t.transpose(1, 2).reshape(batch * len_k, t.shape[1], head_dim) for t in (key, value))
         rows = len_k
-    plan = _PER_FORWARD.get(mask, query.device, (len_q, len_k, rows),
-                            lambda: _mask_plan(mask, len_q, len_k, rows, query.device))
-    if plan.gaps:
-        if windowed:
-            raise ValueError("jitattn attention: a padding mask with gaps inside a row cannot be expressed with a "
-                             "sliding window (the window would count the unpadded tokens, not positions); pad on "
-                             "one side only, or use attn_implementation='sdpa'")
-        return _unpadded(query, key, value, mask, common)
+    host_read = _backend.padding == "host_read"
+    plan = _PER_FORWARD.get(mask, query.device, (len_q, len_k, rows, host_read),
+                            lambda: _mask_plan(mask, len_q, len_k, rows, query.device, host_read))
     if plan.key_offset:
         k, v = k[plan.key_offset:], v[plan.key_offset:]
     q = query.transpose(1, 2).reshape(batch * len_q, heads_q, head_dim)
-    return _varlen_attn(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, seqused_k=plan.used, **common)
+    variant = {} if plan.mask_mod is None else {"mask_mod": plan.mask_mod}
+    return _varlen_attn(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, seqused_k=plan.used, **common,
+                        **variant)
 
 
 class _MaskPlan(NamedTuple):
@@ -266,49 +280,112 @@ class _MaskPlan(NamedTuple):
     max_q: int
     max_k: int
     key_offset: int  # cu_k counts from this row of the keys (cu_seq_k starts at 0)
-    gaps: bool  # some row's tokens are not one run: this plan is not used
+    mask_mod: object  # which of a sequence's keys are tokens (`_key_is_token`), or None: all are
 
 
-def _mask_plan(mask: torch.Tensor, len_q: int, len_k: int, rows: int, device: torch.device) -> _MaskPlan:
-    """Row b's keys are the mask's run [first_b, first_b + n_b), in the slot starting at row
-    b * rows of the keys. One query per row (decode): sequence b is query row b. More: row b's
-    L_q query rows are three sequences, the padding before its run of valid queries (the mask's
-    last L_q columns), the run, and the padding after; the padding ones get no keys (zero rows).
-    One host read: the longest runs, and whether any row has gaps."""
+def _mask_plan(mask: torch.Tensor, len_q: int, len_k: int, rows: int, device: torch.device,
+               host_read: bool = False) -> _MaskPlan:
+    """Row b's keys are the span of its tokens, first to last, in the slot starting at row b * rows
+    of the keys, and the mask_mod masks the padding inside the span (gaps). One query per row
+    (decode): sequence b is query row b, its keys from its first token to the mask's end (row 0's
+    from its slot's start: cu_seq_k starts at 0 with no host read). More: row b's L_q query rows
+    (the mask's last L_q columns) are three sequences: the padding before its first valid query,
+    the rows from there to its last valid query, and the padding after; the padding ones have no
+    keys, so they come out zero. Each sequence's keys end where its queries end in the padded row,
+    so bottom-right alignment counts positions in the padded row, as transformers' own masks do
+    (causal and sliding windows are exact with gaps).
+
+    max_q / max_k are the shapes' bounds (L_q, L_k), so nothing is read back: the kernels size their
+    grid by them and stop at each sequence's own length. `host_read` (Backend.padding) reads the
+    longest span and whether any row has gaps once instead, and leaves the mask_mod out without."""
     mask = mask.to(device=device, dtype=torch.bool)
     batch = mask.shape[0]
-    first_k, count_k, gaps_k = _runs(mask)
+    first_k, span_k, count_k = _runs(mask)
     slot = torch.arange(batch, dtype=torch.int32, device=device) * rows
-    start_k = slot + first_k
-    end = torch.tensor([(batch - 1) * rows + len_k], dtype=torch.int32, device=device)
-    if len_q == 1:  # the keys' view starts at row 0's first key, so that cu_k starts at 0
-        cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
-        host = torch.stack([gaps_k.any().int(), count_k.max(), first_k[0]]).tolist()
-        offset = int(host[2])
-        return _MaskPlan(cu_q, torch.cat([start_k, end]) - offset, count_k, 1, int(host[1]), offset, bool(host[0]))
-    q_mask = mask[:, -len_q:]
-    first_q, count_q, gaps_q = _runs(q_mask)
-    first_q = torch.where(count_q > 0, first_q, len_q)  # no valid query: all of the row is padding before
+    end = torch.full((1,), (batch - 1) * rows + len_k, dtype=torch.int32, device=device)
+    if len_q == 1:
+        start = torch.cat([torch.zeros(1, dtype=torch.int32, device=device), first_k[1:]])
+        used = len_k - start  # to the mask's end, where the query is
+        plan = _MaskPlan(torch.arange(batch + 1, dtype=torch.int32, device=device), torch.cat([slot + start, end]),
+                         used, 1, len_k, 0, _key_is_token(count_k == used, _tokens(mask, start)))
+        if not host_read:
+            return plan
+        host = torch.stack([(count_k != len_k - first_k).any().int(), first_k.min(), first_k[0]]).tolist()
+        if host[0]:
+            return plan
+        offset = int(host[2])  # the keys' view starts at row 0's first token
+        return _MaskPlan(plan.cu_q, torch.cat([slot + first_k, end]) - offset, len_k - first_k, 1, len_k - int(host[1]),
+                         offset, None)
+    first_q, span_q, _ = (first_k, span_k, count_k) if len_q == len_k else _runs(mask[:, -len_q:])
+    first_q = torch.where(span_q > 0, first_q, len_q)  # no valid query: all of the row is padding before
     row_q = torch.arange(batch, dtype=torch.int32, device=device) * len_q
-    zero = torch.zeros_like(count_k)
-    cu_q = torch.cat([torch.stack([row_q, row_q + first_q, row_q + first_q + count_q], 1).flatten(),
-                      torch.tensor([batch * len_q], dtype=torch.int32, device=device)])
-    cu_k = torch.cat([torch.stack([slot, start_k, start_k + count_k], 1).flatten(), end])
-    used = torch.stack([zero, count_k, zero], 1).flatten()
-    host = torch.stack([(gaps_k | gaps_q).any().int(), count_k.max()]).tolist()
-    return _MaskPlan(cu_q, cu_k, used, len_q, int(host[1]), 0, bool(host[0]))
+    start_k = slot + first_k
+    zero = torch.zeros_like(span_k)
+    cu_q = torch.cat([torch.stack([row_q, row_q + first_q, row_q + first_q + span_q], 1).flatten(),
+                      torch.full((1,), batch * len_q, dtype=torch.int32, device=device)])
+    cu_k = torch.cat([torch.stack([slot, start_k, start_k + span_k], 1).flatten(), end])
+    used = torch.stack([zero, span_k, zero], 1).flatten()
+    no_keys = torch.zeros(batch, len_k, dtype=torch.bool, device=device)
+    tokens = torch.stack([no_keys, _tokens(mask, first_k), no_keys], 1).flatten(0, 1)
+    whole = torch.stack([zero == 0, count_k == span_k, zero == 0], 1).flatten()  # padding sequences read no key
+    plan = _MaskPlan(cu_q, cu_k, used, len_q, len_k, 0, _key_is_token(whole, tokens))
+    if not host_read:
+        return plan
+    host = torch.stack([(count_k != span_k).any().int(), span_k.max()]).tolist()
+    return plan._replace(max_k=int(host[1]), mask_mod=plan.mask_mod if host[0] else None)
 
 
 def _runs(mask: torch.Tensor):
-    """Per row of a bool mask: (index of the first True (0 if none), number of Trues, whether the
-    Trues are not one run), int32 / bool tensors, no host sync."""
+    """Per row of a bool mask: (index of the first True (0 if none), span from the first True to
+    the last (0 if none), number of Trues), int32, no host sync. Span > count: gaps in the row."""
     count = mask.sum(-1, dtype=torch.int32)
     as_int = mask.to(torch.int8)
     first = as_int.argmax(-1).to(torch.int32)  # the first maximum
     last = mask.shape[-1] - 1 - as_int.flip(-1).argmax(-1).to(torch.int32)
-    first = torch.where(count > 0, first, 0)
-    gaps = (count > 0) & (last - first + 1 != count)
-    return first, count, gaps
+    some = count > 0
+    return torch.where(some, first, 0), torch.where(some, last - first + 1, 0), count
+
+
+def _tokens(mask: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """(B, L_k) bool: [b, j] says whether key j of row b's sequence (mask column start[b] + j) is a
+    token; columns past the mask's end are not."""
+    len_k = mask.shape[1]
+    columns = start[:, None] + torch.arange(len_k, dtype=torch.int32, device=mask.device)
+    inside = columns < len_k
+    return torch.gather(mask, 1, columns.clamp(max=len_k - 1).long()) & inside
+
+
+def _key_is_token(whole: torch.Tensor, tokens: torch.Tensor):
+    """The mask_mod of a padded call over N packed sequences: key kv_idx of sequence b is visible
+    iff tokens[b, kv_idx] (`_tokens`), or whole[b] says every key the sequence reads is a token.
+
+    whole[b] comes first so that the kernels' tile classification, which reads a capture at an
+    exact index (b is fixed per tile), proves every tile of a sequence without gaps FULL: only
+    sequences with gaps pay a load per element. Traced once (`_padding_variant`); each forward pass
+    attaches its own tensors (Variant.with_tensors), so no call traces."""
+    variant = _padding_variant()
+    if variant is None:  # until jitattn.variants is merged: varlen_attn takes the function too
+        return _key_is_token_function(whole, tokens)
+    return variant.with_tensors(whole, tokens)
+
+
+def _key_is_token_function(whole: torch.Tensor, tokens: torch.Tensor):
+    def key_is_token(b, h, q_idx, kv_idx):
+        return whole[b] | tokens[b, kv_idx]
+
+    return key_is_token
+
+
+@functools.cache
+def _padding_variant():
+    """`_key_is_token`'s traced Variant (placeholder tensors: (N,) and (N, L_k) bool), or None
+    where jitattn.variants is missing."""
+    try:
+        from jitattn.variants import trace_mask_mod
+    except ImportError:
+        return None
+    placeholders = torch.zeros(1, dtype=torch.bool), torch.zeros(1, 1, dtype=torch.bool)
+    return trace_mask_mod(_key_is_token_function(*placeholders))
 
 
 class _PerForward:
@@ -349,34 +426,6 @@ def _version(tensor: torch.Tensor):
 
 
 _PER_FORWARD = _PerForward()
-
-
-def _unpadded(query, key, value, mask, common):
-    """Unpad by the 2D mask -> varlen -> pad (zeros on padded query rows): masks with gaps."""
-    batch, heads_q, len_q, head_dim = query.shape
-    mask = mask.to(device=query.device, dtype=torch.bool)
-    len_k = key.shape[2]
-    lens_k = mask.sum(-1, dtype=torch.int32)
-    cu_k = torch.nn.functional.pad(torch.cumsum(lens_k, 0, dtype=torch.int32), (1, 0))
-    rows_k = mask.flatten().nonzero().flatten()
-    k, v = (t.transpose(1, 2).reshape(batch * len_k, t.shape[1], head_dim)[rows_k] for t in (key, value))
-    q_all = query.transpose(1, 2).reshape(batch * len_q, heads_q, head_dim)
-    if len_q == len_k:
-        rows_q, cu_q, lens_q = rows_k, cu_k, lens_k
-    elif len_q == 1:
-        rows_q, cu_q, lens_q = None, torch.arange(batch + 1, dtype=torch.int32, device=query.device), None
-    else:  # the last L_q positions are the queries (left padding, as transformers assumes)
-        q_mask = mask[:, -len_q:]
-        lens_q = q_mask.sum(-1, dtype=torch.int32)
-        cu_q = torch.nn.functional.pad(torch.cumsum(lens_q, 0, dtype=torch.int32), (1, 0))
-        rows_q = q_mask.flatten().nonzero().flatten()
-    host = torch.stack([lens_k.max(), lens_q.max() if lens_q is not None else lens_k.max()]).tolist()
-    max_k, max_q = int(host[0]), (1 if rows_q is None else int(host[1]))
-    q = q_all if rows_q is None else q_all[rows_q]
-    out = _varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **common)
-    if rows_q is None:
-        return out
-    return out.new_zeros(batch * len_q, heads_q, head_dim).index_put((rows_q,), out)
 
 
 def _packed_lengths(batch, len_q, len_k, device, kwargs):
