@@ -362,11 +362,8 @@ def _key_is_token(whole: torch.Tensor, tokens: torch.Tensor):
     whole[b] comes first so that the kernels' tile classification, which reads a capture at an
     exact index (b is fixed per tile), proves every tile of a sequence without gaps FULL: only
     sequences with gaps pay a load per element. Traced once (`_padding_variant`); each forward pass
-    attaches its own tensors (Variant.with_tensors), so no call traces."""
-    variant = _padding_variant()
-    if variant is None:  # until jitattn.variants is merged: varlen_attn takes the function too
-        return _key_is_token_function(whole, tokens)
-    return variant.with_tensors(whole, tokens)
+    attaches its own tensors (Variant.bind), so no call traces."""
+    return _padding_variant().bind((whole, tokens))
 
 
 def _key_is_token_function(whole: torch.Tensor, tokens: torch.Tensor):
@@ -378,12 +375,9 @@ def _key_is_token_function(whole: torch.Tensor, tokens: torch.Tensor):
 
 @functools.cache
 def _padding_variant():
-    """`_key_is_token`'s traced Variant (placeholder tensors: (N,) and (N, L_k) bool), or None
-    where jitattn.variants is missing."""
-    try:
-        from jitattn.variants import trace_mask_mod
-    except ImportError:
-        return None
+    """`_key_is_token`'s traced Variant (placeholder tensors: (N,) and (N, L_k) bool)."""
+    from jitattn.variants import trace_mask_mod
+
     placeholders = torch.zeros(1, dtype=torch.bool), torch.zeros(1, 1, dtype=torch.bool)
     return trace_mask_mod(_key_is_token_function(*placeholders))
 

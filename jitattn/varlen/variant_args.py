@@ -4,7 +4,6 @@ captured tensors as one list (the score_mod's first), so torch.compile, dispatch
 autograd formula see plain op arguments, never a Python function."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -36,7 +35,7 @@ def variants_of(score_text: str | None, mask_text: str | None, captures) -> tupl
         count = len(variant.captures)
         if len(captures) < count:
             raise ValueError(f"captures holds {len(captures)} tensors, fewer than {name}'s {count} captured slots")
-        variants.append(dataclasses.replace(variant, tensors=tuple(captures[:count])))
+        variants.append(variant.bind(captures[:count]))
         captures = captures[count:]
     if captures:
         raise ValueError(f"captures holds {len(captures)} more tensors than the variants capture")
