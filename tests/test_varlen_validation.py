@@ -356,7 +356,7 @@ def test_check_varlen_values_accepts_valid_values(paged, overrides):
 POSITIONAL = ("query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k")
 SPEC_KEYWORDS = {"return_aux": None, "scale": None, "window_size": (-1, -1), "enable_gqa": False,
                  "seqused_k": None, "block_table": None, "num_splits": None}
-EXTENSIONS = {"softcap": None}  # jitattn's keywords beyond torch's, after all of torch's
+EXTENSIONS = {"softcap": None, "score_mod": None, "mask_mod": None}  # jitattn's keywords beyond torch's, after all of torch's
 
 
 @pytest.fixture

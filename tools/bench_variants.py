@@ -198,7 +198,7 @@ def _check(mine, peer, inputs, name):
 
 def bench_softcap(args, device):
     """softcap= against no cap, forward, D64 / D128 / D256, with the forward's MUFU levers forced by
-    override (lazy rescale, poly_exp2 on part of the columns, the exact tanh), and the capped output's
+    override (poly_exp2 on part of the columns, the exact tanh), and the capped output's
     error against float64 (the hardware tanh, the default, and the exact tanh)."""
     from jitattn.reference import varlen_attn_reference
     from jitattn.varlen.plan import override_spec
@@ -206,10 +206,8 @@ def bench_softcap(args, device):
     b, l, h = args.batch, args.seqlen, args.heads
     reps = 10 if args.quick else 20
     variants = {  # name -> (softcap, forced fields of the forward spec)
-        "no cap": (None, {}), "no cap, lazy": (None, {"lazy_rescale": True}),
-        "cap": (50.0, {}), "cap, lazy": (50.0, {"lazy_rescale": True}),
-        "cap, lazy, poly1": (50.0, {"lazy_rescale": True, "poly_exp2": 1}),
-        "cap, lazy, poly2": (50.0, {"lazy_rescale": True, "poly_exp2": 2}),
+        "no cap": (None, {}), "cap": (50.0, {}),
+        "cap, poly1": (50.0, {"poly_exp2": 1}), "cap, poly2": (50.0, {"poly_exp2": 2}),
         "cap, exact tanh": (50.0, {"exact_soft_cap": True}),
     }
     print(f"\n### Soft cap 50: forward ms (and x the default uncapped), bf16, {b} x {l}, {h} heads\n")

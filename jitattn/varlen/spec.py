@@ -171,7 +171,6 @@ class VarlenSpec(KernelSpec):
     mask_mod: str = ""   # a user's mask_mod, likewise
     exact_soft_cap: bool = False  # soft cap by an exact tanh (exp2 + reciprocal), not the hardware's tanh.approx
     poly_exp2: int = 0  # of every 4 key columns of 8, how many take exp2 on the FMA pipe (softmax.cuh)
-    lazy_rescale: bool = False  # rescale O only when a row's max grows by a margin (fwd_softmax.cuh)
 
     # Field rules (KernelSpec.validate_fields); a tile field's 0 means the tuned default.
     choices: ClassVar[dict[str, tuple[str, ...]]] = {"dtype": ("float16", "bfloat16")}
@@ -329,7 +328,7 @@ class VarlenSpec(KernelSpec):
         tile = f"m{self.warps_m}x{self.m_tiles}n{self.block_n}s{self.stages}"
         tile += ("_pingpong" if self.pingpong else "") + ("_overlap" if self.overlap else "") + ("_tma" if self.tma else "")
         tile += ("_splitkv" if self.split_kv else "") + ("_persistent" if self.persistent else "")
-        tile += (f"_poly{self.poly_exp2}" if self.poly_exp2 else "") + ("_lazy" if self.lazy_rescale else "")
+        tile += f"_poly{self.poly_exp2}" if self.poly_exp2 else ""
         return (f"varlen_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{'_paged' if self.paged else ''}"
                 f"_{'decode' if self.decode else 'prefill'}{'_wgmma' if self.wgmma else ''}"
                 f"{'_cap' if self.soft_cap else ''}{'x' if self.exact_soft_cap else ''}{_variant_tag(self)}_{tile}")

@@ -20,8 +20,6 @@ constexpr int STAGES = {{ stages }};
 // Of every 4 key columns of 8 in a tile, how many take their exponentials on the FMA pipe
 // (softmax.cuh's poly_exp2) instead of the MUFU unit: 0 keeps every exp2 on the MUFU.
 constexpr int POLY_EXP2 = {{ poly_exp2 }};
-// Rescale O only when a row's maximum grows by more than a margin (fwd_softmax.cuh).
-constexpr bool LAZY_RESCALE = {{ "true" if lazy_rescale else "false" }};
 constexpr int WARPS = WARPS_M * WARPS_N;  // the warps that compute
 // wgmma: one more warpgroup, the producer, does every K/V copy and hands stages to the compute
 // warpgroups through mbarriers, so they never wait on each other (a CTA barrier per tile held

@@ -58,18 +58,9 @@ __device__ __forceinline__ bool mask_hook_cuts(const VarlenParams& p, const Work
 // Online softmax over the tile: new row maxima (over the quad that shares a row), exponentiate
 // in place (P, unnormalized, log2 units), running sums; each row's rescale of O into scale_o,
 // applied to O here unless RESCALE_O is false (OVERLAP: once O += P V let go of O).
-//
-// LAZY_RESCALE (FlashAttention-4's conditional rescaling): a warp keeps its rows' maxima, and O
-// and the sums unscaled, until some row's tile maximum exceeds its kept one by more than
-// RESCALE_MARGIN (log2 units), so P stays below 2^RESCALE_MARGIN; the lse uses the kept maxima,
-// so the result is the same. Most tiles then skip the rescale of O, which the FMA pipe pays.
-constexpr float RESCALE_MARGIN = 8.f;
-
 template <bool RESCALE_O>
 __device__ __forceinline__ void online_softmax(ScoreTile& s, float (&row_max)[M_TILES][2], float (&row_sum)[M_TILES][2],
                                                float (&o)[M_TILES][CHUNKS][4], float (&scale_o)[M_TILES][2], float sl2) {
-  float tile_max[M_TILES][2];
-  bool grow = !LAZY_RESCALE;
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -79,18 +70,8 @@ __device__ __forceinline__ void online_softmax(ScoreTile& s, float (&row_max)[M_
       for (int nt = 0; nt < N_TILES; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      tile_max[mt][h] = mx;
-      if constexpr (LAZY_RESCALE)  // (a row with no key yet, -inf, grows at its first finite one)
-        grow = grow || (mx * sl2 > row_max[mt][h] * sl2 + RESCALE_MARGIN);
-    }
-  if constexpr (LAZY_RESCALE) grow = __any_sync(0xffffffffu, grow);
-#pragma unroll
-  for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float mx = grow ? tile_max[mt][h] : row_max[mt][h];
       const float base = mx == -INFINITY ? 0.f : mx * sl2;  // all masked so far: keep zeros
-      const float alpha = grow ? fast_exp2(row_max[mt][h] * sl2 - base) : 1.f;
+      const float alpha = fast_exp2(row_max[mt][h] * sl2 - base);
       row_max[mt][h] = mx;
       float sum = 0.f;
 #pragma unroll
@@ -101,9 +82,9 @@ __device__ __forceinline__ void online_softmax(ScoreTile& s, float (&row_max)[M_
           s[mt][nt][e] = nt % 4 < POLY_EXP2 ? poly_exp2(x) : fast_exp2(x);  // (nt is a constant here)
           sum += s[mt][nt][e];
         }
-      row_sum[mt][h] = grow ? row_sum[mt][h] * alpha + sum : row_sum[mt][h] + sum;
+      row_sum[mt][h] = row_sum[mt][h] * alpha + sum;
       scale_o[mt][h] = alpha;
-      if (RESCALE_O && grow) {
+      if constexpr (RESCALE_O) {
 #pragma unroll
         for (int d = 0; d < CHUNKS; ++d) {
           o[mt][d][2 * h] *= alpha;
