@@ -22,7 +22,9 @@ namespace jitattn_variant {
 
 #define JITATTN_VARIANT_FN __host__ __device__ __forceinline__
 
-#ifndef JITATTN_CAPTURE_STRUCT  // the kernels have it from capture.h; a host build of this file alone, here
+#ifdef JITATTN_CAPTURE_STRUCT  // the kernels' (capture.h, at global scope: the Params hold it)
+using Capture = ::jitattn_variant::Capture;
+#else  // a host build of this file alone
 struct Capture {
   const void* data;
   int64_t stride[4];
@@ -36,15 +38,16 @@ JITATTN_VARIANT_FN bool in_bounds(const Capture& c, int i0, int i1, int i2, int 
          unsigned(i2) < unsigned(c.size[2]) && unsigned(i3) < unsigned(c.size[3]);
 }
 
+// The element at an index in bounds (the loads below check first: torch builds with
+// __CUDA_NO_HALF_CONVERSIONS__, so a half has no T(0) to return here).
 template <class T>
 JITATTN_VARIANT_FN T element(const Capture& c, int i0, int i1, int i2, int i3) {
-  if (!in_bounds(c, i0, i1, i2, i3)) return T(0);
   const int64_t at = i0 * c.stride[0] + i1 * c.stride[1] + i2 * c.stride[2] + i3 * c.stride[3];
   return static_cast<const T*>(c.data)[at];
 }
 
 JITATTN_VARIANT_FN float load_float32(const Capture& c, int i0 = 0, int i1 = 0, int i2 = 0, int i3 = 0) {
-  return element<float>(c, i0, i1, i2, i3);
+  return in_bounds(c, i0, i1, i2, i3) ? element<float>(c, i0, i1, i2, i3) : 0.f;
 }
 JITATTN_VARIANT_FN float load_float16(const Capture& c, int i0 = 0, int i1 = 0, int i2 = 0, int i3 = 0) {
   return in_bounds(c, i0, i1, i2, i3) ? __half2float(element<__half>(c, i0, i1, i2, i3)) : 0.f;
@@ -53,13 +56,13 @@ JITATTN_VARIANT_FN float load_bfloat16(const Capture& c, int i0 = 0, int i1 = 0,
   return in_bounds(c, i0, i1, i2, i3) ? __bfloat162float(element<__nv_bfloat16>(c, i0, i1, i2, i3)) : 0.f;
 }
 JITATTN_VARIANT_FN int load_int32(const Capture& c, int i0 = 0, int i1 = 0, int i2 = 0, int i3 = 0) {
-  return element<int32_t>(c, i0, i1, i2, i3);
+  return in_bounds(c, i0, i1, i2, i3) ? element<int32_t>(c, i0, i1, i2, i3) : 0;
 }
 JITATTN_VARIANT_FN int load_int64(const Capture& c, int i0 = 0, int i1 = 0, int i2 = 0, int i3 = 0) {
-  return int(uint32_t(uint64_t(element<int64_t>(c, i0, i1, i2, i3))));
+  return in_bounds(c, i0, i1, i2, i3) ? int(uint32_t(uint64_t(element<int64_t>(c, i0, i1, i2, i3)))) : 0;
 }
 JITATTN_VARIANT_FN bool load_bool(const Capture& c, int i0 = 0, int i1 = 0, int i2 = 0, int i3 = 0) {
-  return element<uint8_t>(c, i0, i1, i2, i3) != 0;
+  return in_bounds(c, i0, i1, i2, i3) && element<uint8_t>(c, i0, i1, i2, i3) != 0;
 }
 
 // ------------------------------------------------------------------ ints (32-bit, wrapping)
