@@ -30,7 +30,7 @@ done
 if [ -z "$seed" ] && [ "${SEED_PREWARM:-0}" = 1 ]; then
   seed=/tmp/jitattn-seed
   if [ ! -d "$seed" ]; then  # a warm machine's earlier call may have built it
-    JITATTN_CACHE_DIR=$seed.building python3 -m jitattn prewarm cache/gpu-tests.toml cache/gpu-dropin.toml \
+    JITATTN_CACHE_DIR=$seed.building python3 -m jitattn prewarm cache/gpu-tests.toml cache/gpu-dropin.toml cache/variants.toml \
       --arch 9.0 -j "$(nproc)" 2>&1 | tail -3 && mv $seed.building "$seed" || exit 1
   fi
 fi
