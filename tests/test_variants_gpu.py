@@ -16,7 +16,7 @@ import jitattn
 from jitattn.reference import varlen_attn_reference
 from jitattn.variants import gallery
 from tests.gpu_utils import rel_error
-from tests.varlen_utils import TOL, check, make_batch
+from tests.varlen_utils import DEVICE, TOL, check, make_batch
 
 pytestmark = pytest.mark.gpu
 BF16, F16 = torch.bfloat16, torch.float16
@@ -26,7 +26,7 @@ LEN_Q = [37, 0, 300, 129]
 LEN_K = [37, 5, 300, 200]  # q_len < k_len in the last: bottom-right alignment matters
 
 
-def _variants(h_q: int, max_len: int, n: int, device="cuda") -> dict:
+def _variants(h_q: int, max_len: int, n: int, device=DEVICE) -> dict:
     slopes = jitattn.reference.alibi_slopes(h_q).to(device)
     gen = torch.Generator(device=device).manual_seed(7)
     bias = torch.randn(h_q, 2 * max_len + 1, device=device, generator=gen)
@@ -131,8 +131,8 @@ def test_causal_and_sliding_masks_equal_the_built_in_window(head_dim):
 
 def test_deterministic_backward_with_a_mask_is_bitwise_reproducible():
     b = make_batch([700, 300], [700, 900], 8, 2, 128, BF16, seed=9)
-    mask_mod = gallery.document((torch.arange(900, device="cuda") // 128).to(torch.int32).repeat(2, 1))
-    grad_out = torch.randn(b.query.shape, device="cuda", dtype=BF16)
+    mask_mod = gallery.document((torch.arange(900, device=DEVICE) // 128).to(torch.int32).repeat(2, 1))
+    grad_out = torch.randn(b.query.shape, device=DEVICE, dtype=BF16)
     runs = []
     torch.use_deterministic_algorithms(True)
     try:
@@ -151,7 +151,7 @@ def test_deterministic_backward_with_a_mask_is_bitwise_reproducible():
 
 def test_new_captured_values_replay_in_a_cuda_graph_without_a_recompile():
     b = make_batch([256, 128], [256, 128], 4, 4, 128, BF16, seed=2)
-    slopes = torch.rand(4, device="cuda")
+    slopes = torch.rand(4, device=DEVICE)
     score_mod = gallery.alibi(slopes)
     jitattn.varlen_attn(*b.args(), score_mod=score_mod)  # compile and trace outside the capture
     torch.cuda.synchronize()
@@ -159,10 +159,10 @@ def test_new_captured_values_replay_in_a_cuda_graph_without_a_recompile():
     with torch.cuda.graph(graph):
         out = jitattn.varlen_attn(*b.args(), score_mod=score_mod)
     for _ in range(2):
-        slopes.copy_(torch.rand(4, device="cuda") * 4)
+        slopes.copy_(torch.rand(4, device=DEVICE) * 4)
         graph.replay()
         ref, _, _ = _reference(b, score_mod, None)
-        check(b, out, None, (ref, torch.zeros(4, b.query.shape[0], dtype=torch.float64, device="cuda")),
+        check(b, out, None, (ref, torch.zeros(4, b.query.shape[0], dtype=torch.float64, device=DEVICE)),
               "graph replay with new slopes")
 
 
@@ -170,7 +170,7 @@ def test_torch_compile_with_a_traced_variant_fullgraph_and_with_a_function():
     from jitattn.variants import trace_score_mod
 
     b = make_batch([200, 64], [200, 64], 4, 2, 64, F16, seed=4)
-    slopes = torch.rand(4, device="cuda")
+    slopes = torch.rand(4, device=DEVICE)
     traced = trace_score_mod(gallery.alibi(slopes))
 
     @torch.compile(fullgraph=True)
@@ -193,6 +193,6 @@ def test_capture_on_another_device_or_requiring_grad_is_refused():
     with pytest.raises(ValueError, match="captured tensor"):
         jitattn.varlen_attn(*b.args(), score_mod=gallery.alibi(torch.rand(2)))  # a CPU tensor
     with pytest.raises(ValueError, match="requires grad"):
-        jitattn.varlen_attn(*b.args(), score_mod=gallery.alibi(torch.rand(2, device="cuda", requires_grad=True)))
+        jitattn.varlen_attn(*b.args(), score_mod=gallery.alibi(torch.rand(2, device=DEVICE, requires_grad=True)))
     with pytest.raises(ValueError, match="softcap and score_mod"):
         jitattn.varlen_attn(*b.args(), softcap=30.0, score_mod=gallery.relative_position)
