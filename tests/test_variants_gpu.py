@@ -27,7 +27,7 @@ LEN_K = [37, 5, 300, 200]  # q_len < k_len in the last: bottom-right alignment m
 
 
 def _variants(h_q: int, max_len: int, n: int, device=DEVICE) -> dict:
-    slopes = jitattn.reference.alibi_slopes(h_q).to(device)
+    slopes = jitattn.reference.alibi_slopes(h_q).to(device, torch.float32)
     gen = torch.Generator(device=device).manual_seed(7)
     bias = torch.randn(h_q, 2 * max_len + 1, device=device, generator=gen)
     doc_id = (torch.arange(max_len, device=device) // 50).to(torch.int32).repeat(n, 1)

@@ -35,7 +35,7 @@ from jitattn.variants import gallery  # noqa: E402
 def variant_set(batch, seqlen, heads, device):
     """name -> (score_mod, mask_mod, flex score_mod, flex mask_mod, causal rows?); the flex functions are
     the same ones (FlexAttention's q_idx equals ours when L_q == L_k)."""
-    slopes = jitattn.reference.alibi_slopes(heads).to(device)
+    slopes = jitattn.reference.alibi_slopes(heads).to(device, torch.float32)
     bias = torch.randn(heads, 2 * seqlen - 1, device=device)
     doc_lengths = [512, 1024, 256, 2304]  # documents packed into each sequence
     doc_id = torch.repeat_interleave(torch.arange(len(doc_lengths)), torch.tensor(doc_lengths))[:seqlen]

@@ -217,6 +217,8 @@ class Variant:
         object.__setattr__(self, "captures", captures)
         object.__setattr__(self, "tree", tree)
         object.__setattr__(self, "tensors", tuple(self.tensors))
+        self.key_text  # noqa: B018  (made now, not on first use: a call under torch.compile reads it
+        # in the traced region, where json.dumps cannot be traced)
 
     def bind(self, tensors) -> "Variant":
         """This variant with ``tensors`` as its captures (e.g. one parsed from a record, given
@@ -226,7 +228,7 @@ class Variant:
             raise VariantError(f"{len(tensors)} tensors for {len(self.captures)} capture slots")
         _check_tensors(tensors, self.captures)
         bound = object.__new__(Variant)
-        for name in ("kind", "tree", "captures"):
+        for name in ("kind", "tree", "captures", "key_text"):  # (key_text: the cached property's value)
             object.__setattr__(bound, name, getattr(self, name))
         object.__setattr__(bound, "tensors", tensors)
         return bound

@@ -23,7 +23,7 @@ using MaskMod = NoMaskMod;
 // The mask hook of a kernel's Params: a user mask_mod reads its captures past the score_mod's.
 template <class Params>
 __device__ __forceinline__ MaskMod mask_mod_of(const Params& p) {
-{% if mask_mod_source %}
+{% if mask_mod_source and num_captures > score_mod_captures %}
   struct {
     const jitattn_variant::Capture* captures;
     int pack;
