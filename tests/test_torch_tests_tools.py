@@ -227,3 +227,26 @@ def test_a_pytest_run_with_the_plugin_patches_torch_only_in_dropin_mode(tmp_path
         assert props["module_has_out"] == "True" and props["cudnn"] == "never_cudnn"
     else:
         assert props["cudnn"] != "never_cudnn"
+
+
+def test_stand_ins_are_added_only_where_torch_lacks_the_name():
+    import types
+
+    modules = {"helpers": types.ModuleType("helpers")}
+    modules["helpers"].PRESENT = "torch's own"
+
+    def import_module(name):
+        if name not in modules:
+            raise ImportError(name)
+        return modules[name]
+
+    marker = object()
+    stand_ins = {("helpers", "PRESENT"): lambda: marker, ("helpers", "MISSING"): lambda: marker,
+                 ("not_importable", "X"): lambda: marker}
+    assert plugin.install_stand_ins(stand_ins, import_module) == ["helpers.MISSING"]
+    assert modules["helpers"].PRESENT == "torch's own" and modules["helpers"].MISSING is marker
+    classification = plugin.TESTING_STAND_INS[("torch.testing._internal.common_utils", "HardwareClassification")]()
+    assert classification.CUDA.value == "cuda"
+    decorated = plugin.TESTING_STAND_INS[("torch.testing._internal.common_utils",
+                                          "setSdpaBackendsToDefaultFinally")]()(lambda x: x + 1)
+    assert decorated(41) == 42

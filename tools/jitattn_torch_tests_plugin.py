@@ -18,6 +18,11 @@
   (`torch.ops.torch_attn._varlen_attn*`) or SDPA still test torch.
 - `off`: nothing is patched: the baseline of what this torch passes with the test file.
 
+In every mode, names that torch's newest test files import from torch.testing._internal and an
+older torch lacks (torch 2.11: see TESTING_STAND_INS) are added as stand-ins with the newer
+torch's meaning, before collection, and listed at the end: test infrastructure (device-capability
+flags, decorators), never the code under test.
+
 Every test records jitattn's calls during it (forward / backward / fallback to torch's kernel)
 as junit properties `jitattn_forward`, `jitattn_backward`, `jitattn_fallback`, so that
 tools/torch_tests_report.py can tell a pass through jitattn from a pass that never reached it.
@@ -119,6 +124,74 @@ def rebind_module(module, originals: dict, replacements: dict) -> list[str]:
     return rebound
 
 
+# ----------------------------------------------------------------------------- older torch's test helpers
+def _capability_at_least(major: int) -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (major, 0)
+
+
+def _is_sm90() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _hardware_classification():
+    import enum
+
+    return enum.Enum("HardwareClassification", [(n.upper(), n) for n in ("generic", "accelerator", "cpu", "cuda",
+                                                                          "mps", "xpu")])
+
+
+def _keep_rocm_fa_library(fn):
+    """setSdpaBackendsToDefaultFinally: gives the ROCm flash library choice back after the test."""
+    import torch
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        backends = torch.backends.cuda
+        preferred = backends.preferred_rocm_fa_library() if hasattr(backends, "preferred_rocm_fa_library") else None
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if preferred is not None:
+                backends.preferred_rocm_fa_library(preferred)
+
+    return run
+
+
+# (module, name) -> a function making the stand-in, added only where the installed torch lacks it
+TESTING_STAND_INS = {
+    ("torch.testing._internal.common_cuda", "IS_SM90"): _is_sm90,
+    ("torch.testing._internal.common_cuda", "SM90OrLater"): lambda: _capability_at_least(9),
+    ("torch.testing._internal.common_cuda", "SM100OrLater"): lambda: _capability_at_least(10),
+    ("torch.testing._internal.common_cuda", "SM120OrLater"): lambda: _capability_at_least(12),
+    ("torch.testing._internal.common_cuda", "PLATFORM_SUPPORTS_CK_SDPA"): lambda: False,  # ROCm's CK only
+    ("torch.testing._internal.common_utils", "HardwareClassification"): _hardware_classification,
+    ("torch.testing._internal.common_utils", "setSdpaBackendsToDefaultFinally"): lambda: _keep_rocm_fa_library,
+}
+
+
+def install_stand_ins(stand_ins=None, import_module=None) -> list[str]:
+    """Add the stand-ins whose names the installed torch lacks; returns 'module.name' of each added.
+    A module that does not import is left alone (the test file's import then says why)."""
+    import importlib
+
+    stand_ins = TESTING_STAND_INS if stand_ins is None else stand_ins
+    import_module = import_module or importlib.import_module
+    added = []
+    for (module_name, name), make in stand_ins.items():
+        try:
+            module = import_module(module_name)
+        except Exception:  # noqa: BLE001 - e.g. expecttest missing: the test file's own import reports it
+            continue
+        if not hasattr(module, name):
+            setattr(module, name, make())
+            added.append(f"{module_name}.{name}")
+    return added
+
+
 # ----------------------------------------------------------------------------- the calls per test
 def call_counts(mode: str) -> dict:
     """Totals so far of jitattn's calls in `mode` (all zero in off mode)."""
@@ -148,9 +221,11 @@ class JitattnTorchTests:
         self.replacements: dict = {}
         self.reactivations = 0
         self.rebound: dict[str, list[str]] = {}
+        self.stand_ins: list[str] = []
 
     # -- session
     def start(self) -> None:
+        self.stand_ins = install_stand_ins()
         if self.mode == "provider":
             import jitattn
 
@@ -205,6 +280,7 @@ class JitattnTorchTests:
         xml = self.config.stash.get(xml_key, None)
         if xml is not None:
             xml.add_global_property("jitattn_mode", self.mode)
+            xml.add_global_property("jitattn_stand_ins", " ".join(self.stand_ins) or "none")
 
     def pytest_terminal_summary(self, terminalreporter, exitstatus, config):
         line = f"jitattn torch tests: mode={self.mode} calls={call_counts(self.mode)}"
@@ -215,6 +291,8 @@ class JitattnTorchTests:
         if self.mode == "dropin":
             line += f" rebound={self.rebound}"
         terminalreporter.write_line(line)
+        terminalreporter.write_line("stand-ins for test helpers this torch lacks: " + (", ".join(self.stand_ins)
+                                                                                      or "none"))
 
 
 _BEFORE = pytest.StashKey[dict]()
