@@ -250,3 +250,12 @@ def test_stand_ins_are_added_only_where_torch_lacks_the_name():
     decorated = plugin.TESTING_STAND_INS[("torch.testing._internal.common_utils",
                                           "setSdpaBackendsToDefaultFinally")]()(lambda x: x + 1)
     assert decorated(41) == 42
+
+
+def test_a_pass_that_only_fell_back_says_so_and_a_pass_through_jitattn_says_nothing():
+    def reason(calls):
+        return report.reasons_for("test_flash_cuda", {"provider": report.Result("passed", "", calls)})
+
+    assert "fallback" in reason((0, 0, random.randint(1, 9)))
+    assert reason((random.randint(1, 9), 1, 2)) == ""
+    assert reason((0, 0, 0)) == ""

@@ -161,6 +161,25 @@ def _keep_rocm_fa_library(fn):
     return run
 
 
+def _tf32_enabled():
+    """common_cuda.tf32_enabled: TF32 matmuls on inside (a context manager, also a decorator)."""
+    import contextlib
+
+    import torch
+
+    @contextlib.contextmanager
+    def tf32_enabled():
+        matmul = torch.backends.cuda.matmul.allow_tf32
+        try:
+            torch.backends.cuda.matmul.allow_tf32 = True
+            with torch.backends.cudnn.flags(enabled=None, benchmark=None, deterministic=None, allow_tf32=True):
+                yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = matmul
+
+    return tf32_enabled
+
+
 # (module, name) -> a function making the stand-in, added only where the installed torch lacks it
 TESTING_STAND_INS = {
     ("torch.testing._internal.common_cuda", "IS_SM90"): _is_sm90,
@@ -170,6 +189,8 @@ TESTING_STAND_INS = {
     ("torch.testing._internal.common_cuda", "PLATFORM_SUPPORTS_CK_SDPA"): lambda: False,  # ROCm's CK only
     ("torch.testing._internal.common_utils", "HardwareClassification"): _hardware_classification,
     ("torch.testing._internal.common_utils", "setSdpaBackendsToDefaultFinally"): lambda: _keep_rocm_fa_library,
+    ("torch.testing._internal.common_cuda", "tf32_enabled"): _tf32_enabled,
+    ("torch.testing._internal.common_device_type", "expectedFailureMPS"): lambda: (lambda fn: fn),  # no MPS here
 }
 
 

@@ -114,10 +114,13 @@ class Cause:
     message: str = ""
     mode: str | None = None
     test: str = ""
+    fallback_only: bool = False  # applies only where jitattn handed every call to torch's kernel
 
     def explain(self, name: str, mode: str, result: Result) -> str | None:
         """The reason for this result, or None where the cause does not apply."""
         if (self.mode is not None and self.mode != mode) or result.outcome not in self.outcomes:
+            return None
+        if self.fallback_only and not (result.calls and result.calls[0] + result.calls[1] == 0 and result.calls[2]):
             return None
         found = re.search(self.message, result.message or "")
         if found is None or re.search(self.test, name) is None:
@@ -153,6 +156,12 @@ KNOWN_CAUSES = (
           mode="dropin", test=r"lse_is_not_differentiable"),
     Cause("opcheck of torch's private torch_attn ops: tests torch in every mode", test=r"custom_op_compliance",
           outcomes=("failed", "error")),
+    Cause("tests torch's own varlen backend selection (private torch.nn.attention.varlen functions): not "
+          "jitattn's", message=r"has no attribute '(?:_select_backend|_get_sdp_priority_order|_cudnn\w*)'"),
+    Cause("tests sdpa_kernel forcing a varlen backend (cuDNN / math errors): jitattn's drop-in does not read "
+          "sdpa_kernel (not applicable)", mode="dropin", test=r"sdpa_kernel_backend"),
+    Cause("jitattn handed these calls to torch's kernel (its fallback: head dim, dropout, debug mask...)",
+          outcomes=("passed", "failed", "error"), mode="provider", fallback_only=True),
     Cause("no CUDA GPU / flash attention on this machine", outcomes=("skipped",),
           message=r"Flash Attention not supported|CUDA not available|no CUDA|Only runs on cuda|requires CUDA"),
 )

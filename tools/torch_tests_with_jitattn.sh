@@ -7,9 +7,10 @@
 #   says what each mode patches). TESTS: the folder holding torch's test_varlen_attention.py and
 #   test_transformers.py (e.g. .torchtests/test, never committed), or a pytorch checkout (its test/).
 # Runs from the repository root; needs expecttest (torch.testing._internal imports it).
-#   1. test_varlen_attention.py, all of it, in each mode;
-#   2. test_transformers.py's flash cases (TORCH_SDPA_K, default below: the subset docs/torch-tests.md
-#      lists), off and provider only: it calls no varlen function, so dropin would be off again.
+#   1. test_varlen_attention.py (the newest) and test_varlen_attention_torch210.py (torch 2.10/2.11's
+#      API), all of each, in each mode;
+#   2. test_transformers.py's flash cases (or the excerpt test_transformers_flash.py; TORCH_SDPA_K,
+#      default below), off and provider only: it calls no varlen function, so dropin would be off again.
 # Writes <stem>.<mode>.xml, <stem>.<mode>.log and (mode all) report.md under TORCH_TESTS_OUT,
 # default $OUT/torchtests when OUT is set, else ./torchtests-out.
 set -u
@@ -32,10 +33,13 @@ RESULTS=${RESULTS:-$PWD/torchtests-out}
 mkdir -p "$RESULTS" && RESULTS=$(cd "$RESULTS" && pwd)
 # jitattn, and the plugin by a name that pytorch's own tools/ package cannot shadow
 export PYTHONPATH="$HERE:$HERE/tools${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# The flash forward/backward correctness cases, a subset of ~10^5 parametrizations small enough for
-# a few minutes: head dims 64/128/256 (jitattn) and 72 (torch's fallback: not a multiple of 16),
-# both dtypes, causal or not, GQA or not, no dropout, plus dropout 0.22 once (the fallback).
-SDPA_K=${TORCH_SDPA_K:-"TestSDPACudaOnly and test_flash_attention_vs_math_ref_grads and (head_dim_64 or head_dim_128 or head_dim_256 or head_dim_72) and (seq_len_q_143 or seq_len_q_2048) and seq_len_k_4 and (dropout_p_0_0 or (dropout_p_0_22 and head_dim_128 and causal_True and enable_gqa_False and bfloat16)) and batch_size_1 and scale0 and not cudagraph"}
+# test_transformers' flash cases (docs/torch-tests.md): 68 of the ~7000 parametrizations of the excerpt's
+# three tests: test_flash_attention_vs_math_ref_grads at batch 1, (143 x 127) and (2048 x 2048) tokens,
+# head dims 8 (torch's kernel: below 32), 203 (padded to 208) and 256, both dtypes, causal or not, GQA
+# or not, no dropout, plus one dropout case (the fallback); the CUDA-graph test on the flash kernel
+# (head dims 32/64, 256^2 and 1024^2, causal or not, one dropout case); all 8 of
+# test_sdp_flash_attention_grad_against_math (head dim 16: torch's kernel). TORCH_SDPA_K replaces it.
+SDPA_K=${TORCH_SDPA_K:-"(test_flash_attention_vs_math_ref_grads and batch_size_1_ and (seq_len_q_143_seq_len_k_127 or seq_len_q_2048_seq_len_k_2048) and (head_dim_8_ or head_dim_203 or head_dim_256) and scale0 and n_heads0 and (dropout_p_0_0 or (dropout_p_0_22 and head_dim_256 and bfloat16 and is_causal_False and enable_gqa_False))) or (cudagraph and batch_size_1_ and fused_kernel0 and scale0 and (seq_len_q_256_seq_len_k_256 or seq_len_q_1024_seq_len_k_1024) and (dropout_p_0_0 or (dropout_p_0_22 and head_dim_64 and is_causal_False))) or test_sdp_flash_attention_grad_against_math"}
 PYTEST=(python3 -m pytest -p jitattn_torch_tests_plugin -p no:cacheprovider -q -rfEs -o junit_logging=no)
 status=0
 run() {  # run MODE FILE [pytest args]
@@ -52,10 +56,13 @@ run() {  # run MODE FILE [pytest args]
     # XML and the report show; a run that left no junit XML is broken.
     [ -s "$RESULTS/$stem.$mode.xml" ] || { echo "   pytest exit $rc, no junit XML (see $RESULTS/$stem.$mode.log)"; status=1; }
 }
+TRANSFORMERS=test_transformers.py  # a pytorch checkout's full file, else the excerpt in .torchtests
+[ -f "$TESTS/$TRANSFORMERS" ] || TRANSFORMERS=test_transformers_flash.py
 for mode in off provider dropin; do
     [ "$MODE" = all ] || [ "$MODE" = "$mode" ] || continue
-    run "$mode" test_varlen_attention.py "$@"
-    [ "$mode" = dropin ] || run "$mode" test_transformers.py -k "$SDPA_K" "$@"
+    run "$mode" test_varlen_attention.py "$@"           # the newest: torch >= 2.12's API
+    run "$mode" test_varlen_attention_torch210.py "$@"  # torch 2.10/2.11's API
+    [ "$mode" = dropin ] || run "$mode" "$TRANSFORMERS" -k "$SDPA_K" "$@"
 done
 if [ "$MODE" = all ]; then
     python3 "$HERE/tools/torch_tests_report.py" "$RESULTS" --tests-dir "$TESTS" -o "$RESULTS/report.md" || status=1
