@@ -67,7 +67,7 @@ def test_a_collection_error_marks_every_test_of_that_mode_with_its_exception():
             "dropin": report.parse_junit(junit(case("test_basic_functionality_bfloat16_cuda", calls=(3, 1, 0))))}
     assert "cannot import name 'varlen_attn_out'" in runs["off"].collection_error
     [row] = report.table_rows(runs, ["test_basic_functionality"])
-    assert row.labels == ("not collected", "—", "pass (jitattn)")
+    assert row.labels == ("not collected", "—", "pass (jitattn ran)")
     assert "varlen lacks `varlen_attn_out`: the file does not import" in row.reason
     assert "did not import" in report.summary_line(runs)
 
@@ -90,12 +90,12 @@ def test_parametrizations_group_under_their_test_where_outcomes_agree(tmp_path):
                                                case("test_varlen_vs_sdpa_extra_cuda", calls=(0, 0, 0))))}
     rows = report.table_rows(runs, known)
     by_labels = {(r.family, r.labels): r for r in rows}
-    ok = by_labels[("test_varlen_vs_sdpa", ("FAIL", "FAIL", "pass (jitattn)"))]
+    ok = by_labels[("test_varlen_vs_sdpa", ("FAIL", "FAIL", "pass (jitattn ran)"))]
     bad = by_labels[("test_varlen_vs_sdpa", ("FAIL", "FAIL", "FAIL"))]
     assert sorted(ok.names) == sorted(passing) and sorted(bad.names) == sorted(failing)
     assert ok.calls["dropin"] == [2 * n_pass, n_pass, 0] and ok.calls["provider"] == [0, 0, 0]
     assert "is_causal positionally" in ok.reason
-    extra = by_labels[("test_varlen_vs_sdpa_extra", ("—", "—", "pass (torch only)"))]
+    extra = by_labels[("test_varlen_vs_sdpa_extra", ("—", "—", "pass (no jitattn call)"))]
     assert extra.names == ["test_varlen_vs_sdpa_extra_cuda"]
     text = report.markdown("test_varlen_attention", runs, known)
     assert f"| `test_varlen_vs_sdpa` | {n_pass}: `bfloat16_scale0_window_size0_cuda`" in text
@@ -129,8 +129,8 @@ def test_report_reads_a_folder_of_junit_files_and_the_cli_writes_markdown(tmp_pa
     assert report.main([str(tmp_path), "-o", str(out)]) == 0
     text = out.read_text()
     assert "### test_transformers.py" in text and "### test_varlen_attention.py" in text
-    assert "| `test_a_cuda` | 1 | FAIL | pass (jitattn) | — | P: 1 fwd / 1 bwd / 0 fallback |" in text
-    assert "| `test_flash_cuda` | 1 | — | pass (torch only) | — | P: 0 fwd / 0 bwd / 4 fallback |" in text
+    assert "| `test_a_cuda` | 1 | FAIL | pass (jitattn ran) | — | P: 1 fwd / 1 bwd / 0 fallback |" in text
+    assert "| `test_flash_cuda` | 1 | — | pass (no jitattn call) | — | P: 0 fwd / 0 bwd / 4 fallback |" in text
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(SystemExit, match="no <stem>"):

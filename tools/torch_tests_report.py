@@ -204,7 +204,7 @@ def outcome_label(result: Result | None, mode: str) -> str:
     label = {"passed": "pass", "failed": "FAIL", "error": "ERROR", "skipped": "skip",
              "not collected": "not collected"}[result.outcome]
     if result.outcome == "passed" and mode != "off" and result.reached_jitattn is not None:
-        label += " (jitattn)" if result.reached_jitattn else " (torch only)"
+        label += " (jitattn ran)" if result.reached_jitattn else " (no jitattn call)"
     return label
 
 
@@ -301,8 +301,9 @@ def report(junit_dir: Path, tests_dir: Path | None = None) -> str:
         test_file = tests_dir / f"{stem}.py" if tests_dir else None
         known = method_names_in(test_file) if test_file and test_file.is_file() else []
         sections.append(markdown(stem, runs, known))
-    legend = ("pass (jitattn): passed and jitattn computed calls during the test; pass (torch only): passed "
-              "with no jitattn forward/backward call (provider / dropin modes). Calls: P provider, D dropin.")
+    legend = ("pass (jitattn ran): passed, and jitattn's kernels computed calls during the test; pass (no jitattn "
+              "call): passed with no jitattn forward/backward (torch's kernel ran, or the test never reached a kernel, "
+              "e.g. an argument error). Calls: P provider, D dropin (dropin counts eager calls only).")
     return "\n".join(sections) + "\n" + legend + "\n"
 
 

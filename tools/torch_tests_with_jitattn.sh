@@ -18,6 +18,9 @@ usage() {
     echo "usage: $0 off|provider|dropin|all TESTS_DIR_OR_PYTORCH_CHECKOUT [pytest args...]" >&2
     exit 2
 }
+# The earlier form `tools/torch_tests_with_jitattn.sh /path/to/pytorch` (tools/device_check_torch_flash.sh)
+# still means provider mode.
+if [ $# -ge 1 ] && [ -d "$1" ]; then set -- provider "$@"; fi
 [ $# -ge 2 ] || usage
 MODE=$1; TESTS=$2; shift 2
 case "$MODE" in off|provider|dropin|all) ;; *) usage ;; esac
