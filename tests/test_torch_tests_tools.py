@@ -259,3 +259,15 @@ def test_a_pass_that_only_fell_back_says_so_and_a_pass_through_jitattn_says_noth
     assert "fallback" in reason((0, 0, random.randint(1, 9)))
     assert reason((random.randint(1, 9), 1, 2)) == ""
     assert reason((0, 0, 0)) == ""
+
+
+def test_the_counting_wrapper_traces_under_fullgraph_compile_without_counting():
+    """torch's tests compile varlen_attn with fullgraph=True: the wrapper must not break the graph."""
+    plugin.DROPIN_CALLS.clear()
+    wrapped = plugin.counting(lambda q, k: torch.softmax(q @ k.transpose(-1, -2), dim=-1))
+    q, k = torch.randn(5, 8), torch.randn(6, 8)
+    compiled = torch.compile(wrapped, backend="eager", fullgraph=True)
+    assert torch.allclose(compiled(q, k), torch.softmax(q @ k.T, dim=-1))
+    assert plugin.DROPIN_CALLS["forward"] == 0
+    wrapped(q, k)
+    assert plugin.DROPIN_CALLS["forward"] == 1
