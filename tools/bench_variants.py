@@ -35,7 +35,9 @@ from jitattn.variants import gallery  # noqa: E402
 def variant_set(batch, seqlen, heads, device):
     """name -> (score_mod, mask_mod, flex score_mod, flex mask_mod, causal rows?); the flex functions are
     the same ones (FlexAttention's q_idx equals ours when L_q == L_k)."""
-    slopes = jitattn.reference.alibi_slopes(heads).to(device, torch.float32)
+    from jitattn.reference import alibi_slopes
+
+    slopes = alibi_slopes(heads).to(device, torch.float32)
     bias = torch.randn(heads, 2 * seqlen - 1, device=device)
     doc_lengths = [512, 1024, 256, 2304]  # documents packed into each sequence
     doc_id = torch.repeat_interleave(torch.arange(len(doc_lengths)), torch.tensor(doc_lengths))[:seqlen]
@@ -150,6 +152,10 @@ def bench_variants(args, device):
     print("| variant | jitattn fwd | Flex fwd | ratio | jitattn bwd | Flex bwd | ratio | fwd ms | bwd ms |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     for name, score_mod, mask_mod, causal, window in rows:
+        # Each row's Flex compiles afresh: past dynamo's recompile limit (8) flex_attention falls back to
+        # its unfused eager path, which materializes the scores (out of memory at this size).
+        torch._dynamo.reset()
+        flex = torch.compile(flex_attention)
         # FLOPs: causal (or causal-like masks) counted half; the sliding windows by their visible fraction
         density = _density(name, causal, window, l)
         flops = flops_full * density
