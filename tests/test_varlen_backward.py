@@ -407,3 +407,34 @@ def test_documented_default_scale():
     out, lse, grad_out, _, want = reference_grads(q, k, v, cu_q, cu_k, None, (-1, -1), scale=1 / math.sqrt(64))
     got = varlen_attn_backward(grad_out.float(), None, q, k, v, out.float(), lse.float(), cu_q, cu_k)
     check_grads(got, want, 1e-5, "default scale", lse)
+
+
+def test_the_ops_autograd_carries_variants_and_their_captured_tensors(standin, monkeypatch):
+    """jitattn::varlen_attn's formula with a traced mask_mod and its captures (a list of tensors in
+    the op's inputs: the backward returns one None per captured tensor), compiled with fullgraph:
+    the backward launch receives the forward's variant with its tensors. The mask here hides nothing
+    (one document), so the stand-in's unmasked oracle is the right answer."""
+    from jitattn.variants import gallery, trace_mask_mod
+
+    seen = []
+
+    def backward_seeing_variants(*args, score_mod=None, mask_mod=None, **kw):
+        seen.append((score_mod, mask_mod))
+        return standin_backward(*args, **kw)
+
+    monkeypatch.setattr(backward_launch, "backward", backward_seeing_variants)
+    q, k, v, cu_q, cu_k, _ = make([6, 11], [9, 14], 4, 2, 64, dtype=F16, seed=21)
+    _, ref_lse, grad_out, _, want = reference_grads(q, k, v, cu_q, cu_k, None, (-1, 0))
+    doc_id, flags = torch.zeros(2, 14, dtype=torch.int32), torch.zeros(2, dtype=torch.bool)
+    mask = trace_mask_mod(lambda b, h, q_idx, kv_idx: (doc_id[b, q_idx] == doc_id[b, kv_idx]) | flags[b])
+
+    def attend(lq, lk, lv):
+        return jitattn.varlen_attn(lq, lk, lv, cu_q, cu_k, 11, 14, window_size=(-1, 0), enable_gqa=True,
+                                   mask_mod=mask)
+
+    lq, lk, lv = leaves(q, k, v)
+    out = torch.compile(attend, backend="aot_eager", fullgraph=True)(lq, lk, lv)
+    out.backward(grad_out.to(F16))
+    check_grads((lq.grad, lk.grad, lv.grad), want, 1e-2, "mask_mod through the op", ref_lse)
+    assert seen and seen[-1][0] is None and seen[-1][1].key_text == mask.key_text
+    assert seen[-1][1].tensors[0] is doc_id and seen[-1][1].tensors[1] is flags

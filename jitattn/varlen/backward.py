@@ -94,10 +94,11 @@ def backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):
         grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, ctx.scale, ctx.window,
         ctx.max_q, ctx.max_k, ctx.softcap, *ctx.variants)
     # cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa, seqused_k, block_table,
-    # num_splits, return_lse, softcap, score_mod, mask_mod, captures: not differentiable. As many
-    # as the call's inputs (ctx.needs_input_grad has one entry each): torch versions differ in
-    # whether defaulted trailing arguments count.
-    return (dq, dk, dv) + (None,) * (len(ctx.needs_input_grad) - 3)
+    # num_splits, return_lse, softcap, score_mod, mask_mod, captures: not differentiable. Shaped
+    # like the call's inputs (ctx.needs_input_grad mirrors them: torch versions differ in whether
+    # defaulted trailing arguments count, and the captures are a list, one None per tensor).
+    rest = tuple([None] * len(n) if isinstance(n, (list, tuple)) else None for n in ctx.needs_input_grad[3:])
+    return (dq, dk, dv) + rest
 
 
 _BACKWARD_SCHEMA = ("(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, Tensor out, "
