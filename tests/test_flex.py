@@ -18,43 +18,11 @@ import torch.nn.attention.flex_attention as torch_flex
 import jitattn
 from jitattn import flex
 from jitattn.reference import alibi_slopes, varlen_attn_reference
+from jitattn.variants.gallery import (alibi, bias_table, causal, document, prefix_lm,  # the acceptance set
+                                     relative_position as relative_bias, sliding_window, soft_cap)
 
 REPO = Path(__file__).resolve().parent.parent
 F16, F64 = torch.float16, torch.float64
-
-
-def causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
-def sliding_window(width):
-    def mask(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx <= width)
-    return mask
-
-
-def document(doc_id):
-    return lambda b, h, q_idx, kv_idx: doc_id[b, q_idx] == doc_id[b, kv_idx]
-
-
-def prefix_lm(prefix):
-    return lambda b, h, q_idx, kv_idx: (kv_idx < prefix[b]) | (q_idx >= kv_idx)
-
-
-def relative_bias(score, b, h, q_idx, kv_idx):
-    return score + (q_idx - kv_idx)
-
-
-def alibi(slopes):
-    return lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx)
-
-
-def bias_table(table, center):
-    return lambda score, b, h, q_idx, kv_idx: score + table[h, q_idx - kv_idx + center]
-
-
-def soft_cap(cap):
-    return lambda score, b, h, q_idx, kv_idx: cap * torch.tanh(score / cap)
 
 
 def qkv(batch=2, heads_q=4, heads_kv=4, len_q=12, len_k=12, dim=16, dtype=F16, seed=0):

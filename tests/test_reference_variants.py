@@ -10,6 +10,8 @@ import torch
 
 from jitattn import reference
 from jitattn.reference import varlen_attn_reference
+from jitattn.variants.gallery import (alibi, bias_table, causal, document, prefix_lm,  # the acceptance set
+                                     relative_position as relative_bias, sliding_window)
 
 F64 = torch.float64
 TOL = 1e-10
@@ -83,16 +85,6 @@ def naive(args, scale, score_mod=None, mask_mod=None):
     return out, lse
 
 
-def causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
-def sliding_window(width):
-    def mask(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx <= width)
-    return mask
-
-
 @pytest.mark.parametrize("h_q,h_kv", GQA, ids=str)
 def test_causal_mask_mod_is_the_bottom_right_causal_window(h_q, h_kv):
     args = uneven_batch(h_kv, h_q, h_kv)
@@ -118,27 +110,6 @@ def test_soft_cap_as_score_mod_is_the_softcap_argument(h_q, h_kv):
     cap = 1.5
     softcap = lambda score, b, h, q_idx, kv_idx: cap * torch.tanh(score / cap)  # noqa: E731
     assert_same(run(args, score_mod=softcap, scale=0.9), run(args, softcap=cap, scale=0.9))
-
-
-def alibi(slopes):
-    return lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx)
-
-
-def relative_bias(score, b, h, q_idx, kv_idx):
-    return score + (q_idx - kv_idx)
-
-
-def bias_table(table, center):
-    return lambda score, b, h, q_idx, kv_idx: score + table[h, q_idx - kv_idx + center]
-
-
-def document(doc_id):
-    """doc_id (N, max_k): the document of each position of each sequence."""
-    return lambda b, h, q_idx, kv_idx: doc_id[b, q_idx] == doc_id[b, kv_idx]
-
-
-def prefix_lm(prefix):
-    return lambda b, h, q_idx, kv_idx: (kv_idx < prefix[b]) | (q_idx >= kv_idx)
 
 
 @pytest.mark.parametrize("h_q,h_kv", [(4, 4), (4, 2)], ids=str)
