@@ -23,6 +23,7 @@ INT_FUNCTIONS = {"add": "iadd", "sub": "isub", "mul": "imul", "neg": "ineg", "ab
                  "max": "imax", "floordiv": "floordiv", "mod": "mod"}
 FLOAT_OPERATORS = {"add": "+", "sub": "-", "mul": "*"}
 COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+BOOL_INFIX = {**COMPARE, "and": "&&", "or": "||"}  # bool-valued infix operators
 
 
 def float_literal(value: float) -> str:
@@ -107,12 +108,10 @@ class _Emitter:
                 reciprocal = 0.0 if math.isinf(c) else math.copysign(math.inf, c) if c == 0 else 1.0 / c
                 return f"{args[0]} * {float_literal(reciprocal)}"
             return f"{args[0]} / {args[1]}"
-        if op in COMPARE:
-            return f"{args[0]} {COMPARE[op]} {args[1]}"
+        if op in BOOL_INFIX:  # comparisons (of ints or floats) and logic
+            return f"{args[0]} {BOOL_INFIX[op]} {args[1]}"
         if op == "where":
             return f"{args[0]} ? {args[1]} : {args[2]}"
-        if op in ("and", "or"):
-            return f"{args[0]} {'&&' if op == 'and' else '||'} {args[1]}"
         if op == "not":
             return f"!{args[0]}"
         if op == "float":
