@@ -125,6 +125,14 @@ JITATTN_VARIANT_FN float vsqrt(float x) { return sqrtf(x); }
 // polynomial through x^9 (truncation under 1e-8 relative), which avoids 1 - 2/(1 + e)'s
 // cancellation near 0.
 JITATTN_VARIANT_FN float vtanh(float x) {
+#ifdef __CUDA_ARCH__
+  // On the GPU the hardware tanh.approx.f32 (one MUFU operation, relative error about 2^-11), as
+  // the built-in soft cap (common/soft_cap.cuh) and FlashAttention-3 / FlashInfer take it: the
+  // formula below costs two MUFU operations and a polynomial (notes/variants-h100.md).
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
   const float ax = fabsf(x);
   const float x2 = x * x;
   const float series =
