@@ -120,19 +120,25 @@ __device__ __forceinline__ void scored_probs_to_dscores(const BwdParams& p, cons
                                                         const float2 (&l)[TILES], const float2 (&d)[TILES],
                                                         float sl2) {
   const ScoreMod score_mod(p);
+  // The thread's query columns, base + 8 t and base + 8 t + 1, stepped rather than divided by
+  // pack per element (a user score_mod reads their token and head).
+  const int base = m * BLOCK_M + q0 + 2 * c, first_head = w.kv_head * p.pack;
+  PackedRow<8> even(p.pack, w.q_start, base), odd(p.pack, w.q_start, base + 1);
 #pragma unroll
   for (int t = 0; t < TILES; ++t) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int kv = w.n0 + key0 + g + 8 * (e / 2);
-      const TokenHead th = packed_row(m * BLOCK_M + q0 + 8 * t + 2 * c + (e & 1), p.pack, w.q_start, w.kv_head);
+      const PackedRow<8>& col = (e & 1) ? odd : even;
       const float raw = s[t][e];
-      const int q_idx = variant_q_idx(w, th.token);
-      const float score = score_mod.score(raw, w.seq, th.head, q_idx, kv);
+      const int q_idx = variant_q_idx(w, col.token), head = first_head + col.head;
+      const float score = score_mod.score(raw, w.seq, head, q_idx, kv);
       s[t][e] = fast_exp2(fmaf(score, sl2, -((e & 1) ? l[t].y : l[t].x)));
       dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? d[t].y : d[t].x)) *
-                 score_mod.dscore(raw, score, w.seq, th.head, q_idx, kv);
+                 score_mod.dscore(raw, score, w.seq, head, q_idx, kv);
     }
+    even.advance(p.pack);
+    odd.advance(p.pack);
   }
 }
 
@@ -151,18 +157,26 @@ __device__ __forceinline__ void mask_hidden(const BwdParams& p, const Work& w, i
     lo[h] = static_cast<int>(v.first - base);
     hi[h] = static_cast<int>(v.last - base);
   }
+  // With the mask hook: the thread's query columns stepped, not divided per element (as above).
+  PackedRow<8> even(p.pack, w.q_start, base), odd(p.pack, w.q_start, base + 1);
 #pragma unroll
-  for (int t = 0; t < TILES; ++t)
+  for (int t = 0; t < TILES; ++t) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int d = 8 * t + (e & 1);
       bool hidden = d < lo[e / 2] || d > hi[e / 2];
       if constexpr (MaskMod::ACTIVE) {  // the mask hook (mask.cuh)
-        const TokenHead th = packed_row(base + d, p.pack, w.q_start, w.kv_head);
-        hidden = hidden || !mask_mod_of(p).visible(w.seq, th.head, variant_q_idx(w, th.token), w.n0 + key0 + g + 8 * (e / 2));
+        const PackedRow<8>& col = (e & 1) ? odd : even;
+        hidden = hidden || !mask_mod_of(p).visible(w.seq, w.kv_head * p.pack + col.head, variant_q_idx(w, col.token),
+                                                   w.n0 + key0 + g + 8 * (e / 2));
       }
       if (hidden) pt[t][e] = ds[t][e] = 0.f;
     }
+    if constexpr (MaskMod::ACTIVE) {
+      even.advance(p.pack);
+      odd.advance(p.pack);
+    }
+  }
 }
 
 // The A fragment (m16n8k16) of k-step kk from accumulator tiles 2kk and 2kk + 1, rounded to T.
