@@ -50,6 +50,9 @@ def boolean(name: str, value) -> bool:
 
 
 def integer(name: str, value, minimum: int) -> int:
+    if isinstance(value, torch.SymInt):  # a traced size (torch.compile, dynamic shapes): kept symbolic
+        torch._check(value >= minimum, lambda: f"{name} must be >= {minimum}, got {value}")
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < minimum:

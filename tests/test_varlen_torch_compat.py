@@ -204,6 +204,24 @@ def test_compiled_output_strides_equal_eager(module, layout):
     assert torch.equal(compiled, eager)
 
 
+def test_fake_kernel_takes_symbolic_max_lengths(monkeypatch):
+    """Under torch.compile with dynamic shapes max_q / max_k arrive as SymInts (flex_attention
+    passes its key length): the fake kernel keeps them symbolic instead of refusing them."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    monkeypatch.setattr(_checks, "cuda_device", lambda named: torch.device("cuda", 0))
+    args = batch()
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        max_q, max_k = fakes[0].shape[0], fakes[1].shape[0]
+        assert isinstance(max_k, torch.SymInt)
+        out, lse = varlen_ops._varlen_attn_fake(*fakes[:5], max_q, max_k, None, [-1, -1], True, None, None, None,
+                                                True)
+    assert out.shape == args[0].shape and lse.shape == (4, 14)
+    with pytest.raises(TypeError, match="max_k must be an int"):
+        varlen_ops._varlen_attn_fake(*args[:5], 9, 12.0, None, [-1, -1], True, None, None, None, True)
+
+
 @pytest.mark.parametrize("layout", ["packed", "heads-first", "qkv-slice"])
 def test_fake_kernel_allocates_empty_like_query(monkeypatch, layout):
     monkeypatch.setattr(_checks, "cuda_device", lambda named: torch.device("cuda", 0))
