@@ -166,6 +166,63 @@ def test_new_captured_values_replay_in_a_cuda_graph_without_a_recompile():
               "graph replay with new slopes")
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_mask_maps_of_masks_reading_captures_match_float64(head_dim):
+    """The mask map (templates/varlen/mask_map.cuh) of masks that read captured tensors: documents
+    whose ids are not sorted (a row block's visible key tiles are not contiguous: empty tiles
+    inside its span), and a mask reading h (a map slot per KV head), GQA, several key tiles per
+    sequence, an empty query sequence and q_len < k_len; forward and gradients against float64."""
+    len_q, len_k = [700, 0, 513, 1000], [700, 300, 900, 1000]
+    b = make_batch(len_q, len_k, 8, 2, head_dim, BF16, seed=11 + head_dim)
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    shuffled = (torch.arange(1000, device=DEVICE) // 96).to(torch.int32)
+    doc_id = torch.stack([shuffled[torch.randperm(1000, device=DEVICE, generator=gen)] % 3 if i % 2 else shuffled
+                          for i in range(4)])
+    head_causal = torch.tensor([True, False] * 4, device=DEVICE)
+    masks = {"unsorted documents": gallery.document(doc_id),
+             "by head": lambda b_, h, q_idx, kv_idx: (head_causal[h] & (q_idx >= kv_idx)) | (q_idx - kv_idx > 600)}
+    for t in (b.query, b.key, b.value):
+        t.requires_grad_(True)
+    for name, mask_mod in masks.items():
+        out, lse = jitattn.varlen_attn(*b.args(), enable_gqa=True, mask_mod=mask_mod,
+                                       return_aux=jitattn.AuxRequest(lse=True))
+        grad_out = torch.randn_like(out)
+        ref_out, ref_lse, ref_grads = _reference(b, None, mask_mod, grad_out=grad_out)
+        with torch.no_grad():
+            check(b, out.detach(), lse.detach(), (ref_out, ref_lse), f"{name} forward")
+        got = torch.autograd.grad(out, (b.query, b.key, b.value), grad_out)
+        _check_grads(got, ref_grads, BF16, f"{name} backward d{head_dim}")
+
+
+def test_a_document_mask_replays_in_a_cuda_graph_with_new_ids():
+    """The mask map is built on the device in every call: a captured graph replayed with other
+    document ids follows them (no stale map, no host read), forward and backward."""
+    b = make_batch([640, 384], [640, 384], 4, 4, 128, BF16, seed=4)
+    doc_id = torch.zeros(2, 640, dtype=torch.int32, device=DEVICE)
+    mask_mod = gallery.document(doc_id)
+    q, k, v = (t.detach().requires_grad_(True) for t in (b.query, b.key, b.value))
+    grad_out = torch.randn_like(b.query)
+
+    def step():
+        out = jitattn.varlen_attn(q, k, v, *b.args()[3:], mask_mod=mask_mod)
+        return (out,) + torch.autograd.grad(out, (q, k, v), grad_out)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile, trace and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        results = step()
+    for width in (64, 200, 1000):
+        doc_id.copy_((torch.arange(640, device=DEVICE) // width).to(torch.int32).repeat(2, 1))
+        graph.replay()
+        ref_out, _, ref_grads = _reference(b, None, mask_mod, grad_out=grad_out)
+        assert (results[0].double() - ref_out).abs().max().item() < 2e-2, f"graph replay, documents of {width}"
+        _check_grads(results[1:], ref_grads, BF16, f"graph replay, documents of {width}")
+
+
 def test_torch_compile_with_a_traced_variant_fullgraph_and_with_a_function():
     from jitattn.variants import trace_score_mod
 

@@ -205,7 +205,7 @@ def test_common_subexpressions_are_emitted_once():
 ALLOWED_WORDS = set("""
 struct static constexpr bool ACTIVE true false const jitattn_variant Capture caps float int scale inv_scale template
 class Params __device__ __forceinline__ __host__ explicit p captures nullptr score s b h q_idx kv_idx return dscore sc
-MaskMod ScoreMod pack visible TileClass classify kv_head q_lo q_hi kv_lo kv_hi TILE_EMPTY TILE_FULL TILE_PARTIAL
+MaskMod ScoreMod DATA_DEPENDENT USES_HEAD pack visible TileClass classify kv_head q_lo q_hi kv_lo kv_hi TILE_EMPTY TILE_FULL TILE_PARTIAL
 may_true may_false lo hi long INFINITY IInt IBool IFloat The user s score_mod mask_mod rendered by jitattn variants
 render py from the tree returns f scale dscore per element tile interval analysis sound e
 """.split()) | {f"load_{d}" for d in ("float32", "float16", "bfloat16", "int32", "int64", "bool")} | \
@@ -449,3 +449,23 @@ def test_variant_cuh_reads_the_same_through_the_templates_jinja_environment():
     text = (root / "varlen" / "variant.cuh").read_text()
     assert env.get_template("varlen/variant.cuh").render() == text
     assert not re.search(r"\{\{|\{%|\{#", text)
+
+
+def test_a_mask_that_reads_captured_tensors_asks_for_a_mask_map():
+    """Interval analysis cannot see tensor values: a mask_mod reading a capture is classified on the
+    device (templates/varlen/mask_map.cuh), per KV head only when it reads h."""
+    from jitattn.variants import gallery, mask_map_needs, trace_mask_mod
+
+    doc = torch.zeros(2, 8, dtype=torch.int32)
+    head_flags = torch.ones(4, dtype=torch.bool)
+    cases = {"causal": (gallery.causal, (False, False)),
+             "document": (gallery.document(doc), (True, False)),
+             "prefix": (gallery.prefix_lm(torch.ones(2, dtype=torch.int32)), (True, False)),
+             "by head": (lambda b, h, q_idx, kv_idx: head_flags[h] & (q_idx >= kv_idx), (True, True)),
+             "index by head": (lambda b, h, q_idx, kv_idx: (h % 2 == 0) | (q_idx >= kv_idx), (False, True))}
+    for name, (fn, want) in cases.items():
+        v = trace_mask_mod(fn)
+        assert mask_map_needs(v) == want, name
+        source = render_mask_mod(v)
+        assert f"DATA_DEPENDENT = {'true' if want[0] else 'false'};" in source, name
+        assert f"USES_HEAD = {'true' if want[1] else 'false'};" in source, name

@@ -237,6 +237,14 @@ def render_score_mod(v: Variant, qualifiers: str = "__device__ __forceinline__")
         "};\n")
 
 
+def mask_map_needs(v: Variant) -> tuple[bool, bool]:
+    """Whether mask_mod ``v`` needs a mask map (templates/varlen/mask_map.cuh): it reads a captured
+    tensor, whose values interval analysis cannot see; and whether the map has a slot per KV head
+    (the mask reads ``h``) or one shared by all."""
+    nodes = Shared(v.tree, v.captures).nodes
+    return (any(node[0] == "load" for node in nodes), any(node == ("arg", "h") for node in nodes))
+
+
 def render_mask_mod(v: Variant, qualifiers: str = "__device__ __forceinline__") -> str:
     """The MaskMod struct for mask_mod ``v``: visible() per element, classify() per tile by the
     interval analysis of interval.py (sound: EMPTY and FULL only where certain)."""
@@ -254,11 +262,14 @@ def render_mask_mod(v: Variant, qualifiers: str = "__device__ __forceinline__") 
     })
     verdict = tile.value(v.tree)
     caps = "caps(p.captures), " if v.captures else "caps(nullptr), "
+    reads, by_head = mask_map_needs(v)
     return (
         "// The user's mask_mod, rendered by jitattn/variants/render.py from the tree\n"
         f"// {v.digest}: visible() per element, classify() per tile (interval analysis, sound).\n"
         "struct MaskMod {\n"
         "  static constexpr bool ACTIVE = true;\n"
+        f"  static constexpr bool DATA_DEPENDENT = {literal(reads)};\n"
+        f"  static constexpr bool USES_HEAD = {literal(by_head)};\n"
         "  const jitattn_variant::Capture* caps;\n"
         "  int pack;\n"
         "  template <class Params>\n"

@@ -69,13 +69,16 @@ def _variant_params(spec) -> dict:
     """The template parameters of a spec's variants (hooks.cuh): the C++ jitattn's renderer wrote
     from each validated tree, and the captured tensors (the score_mod's slots first)."""
     if not spec.score_mod and not spec.mask_mod:
-        return {"score_mod_source": "", "mask_mod_source": "", "score_mod_captures": 0, "num_captures": 0}
-    from jitattn.variants import render_mask_mod, render_score_mod
+        return {"score_mod_source": "", "mask_mod_source": "", "score_mod_captures": 0, "num_captures": 0,
+                "mask_map": False, "mask_map_per_head": False}
+    from jitattn.variants import mask_map_needs, render_mask_mod, render_score_mod
 
     score = _variant(spec.score_mod, "score_mod") if spec.score_mod else None
     mask = _variant(spec.mask_mod, "mask_mod") if spec.mask_mod else None
     score_captures = len(score.captures) if score else 0
-    return {"score_mod_source": render_score_mod(score) if score else "",
+    mask_map, per_head = mask_map_needs(mask) if mask else (False, False)
+    return {"mask_map": mask_map, "mask_map_per_head": per_head,
+            "score_mod_source": render_score_mod(score) if score else "",
             "mask_mod_source": render_mask_mod(mask) if mask else "",
             "score_mod_captures": score_captures,
             "num_captures": score_captures + (len(mask.captures) if mask else 0)}

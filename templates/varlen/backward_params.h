@@ -19,6 +19,8 @@ struct BwdParams {
   float* delta;               // workspace (H_kv, dq_rows): rowsum(dO * O) - dlse
   int* semaphores;            // deterministic: (H_kv, sem_stride) ints, zeroed; else nullptr
   int* work_counter;         // persistent main kernel: work items taken past the grid (zeroed by the preprocess), or nullptr
+  int* mask_map;              // a mask_mod reading captures: (sequence, key tile j, KV head or 1) slots (mask_map.cuh)
+  int mask_map_heads;         // the map's slots per key tile: num_heads_kv when the mask reads h, else 1
   const int* cu_seq_q;        // (N + 1,)
   const int* cu_seq_k;        // (N + 1,)
   const int* seqused_k;       // (N,) or nullptr

@@ -134,3 +134,23 @@ __global__ void __launch_bounds__(POST_THREADS) varlen_bwd_post(const BwdParams 
   }
 }
 {% endif %}
+{% if mask_map %}
+
+// The dK / dV kernel's mask map (mask_map.cuh): one CTA per (key tile j, sequence, KV head or 1),
+// over the query tiles key_tile_work gives it, before the preprocess (stream order).
+__global__ void __launch_bounds__(MAP_THREADS) varlen_bwd_mask_map(const BwdParams p) {
+  int rest = blockIdx.x;
+  Work w;
+  w.kv_head = rest % p.mask_map_heads;
+  rest /= p.mask_map_heads;
+  const int j = rest % p.num_n_blocks;
+  w.seq = rest / p.num_n_blocks;
+  w.descending = false;
+  const bool any = key_tile_work<false>(p, w, j);
+  const int rows = any ? w.rows : 0, n0 = any ? w.n0 : 0, k_hi = any ? min(w.n0 + BLOCK_N, w.k_len) : 0;
+  map_unit(mask_mod_of(p), w.seq, w.kv_head, p.pack, any ? w.k_len - w.q_len : 0, any ? w.m_begin : 0,
+           any ? w.m_end : 0,
+           [&](int m) { return make_int4(m * BLOCK_M, min((m + 1) * BLOCK_M, rows) - 1, n0, k_hi); },
+           mask_map_slot(p.mask_map, p.mask_map_heads, int64_t(w.seq) * p.num_n_blocks + j, w.kv_head));
+}
+{% endif %}

@@ -32,6 +32,7 @@ struct Work {
   int n_tiles;                // key tiles of the sequence
   int t_first;                // lowest key tile of this (sequence, KV head) that has a CTA
   bool descending;            // deterministic dQ order: highest key tile first (see above)
+  int hook_first, hook_end;   // query tiles the mask hook leaves whole (the mask map's), or MAP_UNKNOWN
 };
 
 constexpr int N_BAND = 2048 / BLOCK_N > 1 ? 2048 / BLOCK_N : 1;
@@ -49,6 +50,9 @@ __device__ __forceinline__ int first_launched_tile(int n_tiles, const BwdParams&
   return max(0, n_tiles - p.num_n_blocks);
 }
 
+template <bool USE_MAP = true>
+__device__ __forceinline__ bool key_tile_work(const BwdParams& p, Work& w, int j);
+
 // Work item `index` (a CTA's blockIdx.x, or an item a persistent CTA took).
 __device__ __forceinline__ bool decode_work(const BwdParams& p, Work& w, unsigned index) {
   const int per_j = p.num_seqs * p.num_heads_kv;
@@ -60,6 +64,14 @@ __device__ __forceinline__ bool decode_work(const BwdParams& p, Work& w, unsigne
   int rest = order.rest;
   w.kv_head = rest % p.num_heads_kv;
   w.seq = rest / p.num_heads_kv;
+  return key_tile_work(p, w, j);
+}
+
+// The rest of work item (w.seq, w.kv_head) at j (key tile n_tiles - 1 - j): false when the
+// sequence has no such tile. The mask map's kernel calls it with USE_MAP false (it builds the
+// map from the query tiles given here).
+template <bool USE_MAP>
+__device__ __forceinline__ bool key_tile_work(const BwdParams& p, Work& w, int j) {
   // Clamp to the tensors, so malformed metadata can never index outside them.
   w.q_start = p.cu_seq_q[w.seq];
   w.q_len = w.q_start < 0 ? 0 : max(0, min(p.cu_seq_q[w.seq + 1], p.total_q) - w.q_start);
@@ -86,7 +98,16 @@ __device__ __forceinline__ bool decode_work(const BwdParams& p, Work& w, unsigne
   }
   // The mask hook's empty query tiles at either end are never loaded, outside deterministic mode
   // (whose dQ order counts every query tile the window gives a key tile: backward_sync.cuh).
-  if constexpr (MaskMod::ACTIVE) {
+  w.hook_first = w.hook_end = MAP_UNKNOWN;
+  if (MaskMod::DATA_DEPENDENT && USE_MAP && p.mask_map) {  // the map's span and full run
+    const int* slot = mask_map_slot(p.mask_map, p.mask_map_heads, int64_t(w.seq) * p.num_n_blocks + j, w.kv_head);
+    if (p.semaphores == nullptr) {
+      w.m_begin = max(w.m_begin, slot[0]);
+      w.m_end = max(w.m_begin, min(w.m_end, slot[1]));
+    }
+    w.hook_first = slot[2];
+    w.hook_end = slot[3];
+  } else if constexpr (MaskMod::ACTIVE) {
     if (p.semaphores == nullptr) {
       const MaskMod mask_mod = mask_mod_of(p);
       const int kv_last = w.n0 + BLOCK_N - 1;
@@ -150,9 +171,13 @@ __device__ __forceinline__ QueryTile query_tile(const BwdParams& p, const Work& 
   t.masked = w.n0 + BLOCK_N > w.k_len ||
              (p.window_left >= 0 && pr_last >= (int64_t(w.n0) - off + p.window_left + 1) * p.pack) ||
              (p.window_right >= 0 && pr0 < (int64_t(w.n0) + BLOCK_N - 1 - off - p.window_right) * p.pack);
-  if constexpr (MaskMod::ACTIVE)  // the mask hook (mask.cuh) cuts the tile
-    t.masked = t.masked || mask_mod_of(p).classify(w.seq, w.kv_head, pr0 / p.pack + off, pr_last / p.pack + off,
-                                                   w.n0, w.n0 + BLOCK_N - 1) != TILE_FULL;
+  if constexpr (MaskMod::ACTIVE) {  // the mask hook (mask.cuh) cuts the tile: by the map, or classify
+    if (w.hook_first != MAP_UNKNOWN)
+      t.masked = t.masked || m < w.hook_first || m >= w.hook_end;
+    else
+      t.masked = t.masked || mask_mod_of(p).classify(w.seq, w.kv_head, pr0 / p.pack + off, pr_last / p.pack + off,
+                                                     w.n0, w.n0 + BLOCK_N - 1) != TILE_FULL;
+  }
   if (w.descending) {
     const int k_hi = min(w.k_len, pr_last / p.pack + off + p.window_right + 1);  // window_right >= 0 here
     t.turn = min(w.n_tiles - 1, (k_hi - 1) / BLOCK_N) - w.n_block;

@@ -8,6 +8,7 @@ struct Work {
   int splits;                // splits of this row block's keys (<= p.num_splits; see block_extent)
   int tile_begin, tile_end;  // this split's key tiles
   int mask_below, mask_above;  // tiles at n0 < mask_below or n0 + BLOCK_N > mask_above need a mask
+  int hook_first, hook_end;    // the mask map's run of tiles the mask hook leaves whole, or MAP_UNKNOWN
 };
 
 // Row blocks come in bands of M_BAND (about 1024 query rows). Bands run heaviest first (the
@@ -24,8 +25,11 @@ constexpr int M_BAND = 1024 / BLOCK_M > 1 ? 1024 / BLOCK_M : 1;
 // num_splits when the caller asked for it, else (split_min_tiles > 0) at most num_splits (what
 // the grid has room for) and no split shorter than split_min_tiles of the block's own tiles. So
 // a sequence's reduction order follows its own lengths and window, never max_k's slack or how
-// its keys are stored: paged and packed keys give the same bits. merge_splits asks here too.
+// its keys are stored: paged and packed keys give the same bits. merge_splits asks here too, and
+// the mask map's kernel (USE_MAP false: it builds the map from the tiles given here).
+template <bool USE_MAP = true>
 __device__ __forceinline__ bool block_extent(const VarlenParams& p, Work& w, int& t_lo, int& t_hi) {
+  const int m_block = w.m0 / BLOCK_M;
   // Every metadata load first, so they share one memory latency: the key side's behind the
   // early return below cost a second one (clock stamps: notes/forward-h200.md).
   w.q_start = p.cu_seq_q[w.seq];
@@ -63,7 +67,14 @@ __device__ __forceinline__ bool block_extent(const VarlenParams& p, Work& w, int
   w.mask_above = p.window_right >= 0 ? min(w.k_len, r_lo + off + p.window_right + 1) : w.k_len;
   t_lo = k_lo / BLOCK_N;
   t_hi = k_hi > k_lo ? (k_hi + BLOCK_N - 1) / BLOCK_N : t_lo;
-  if constexpr (MaskMod::ACTIVE) {  // the mask hook's empty tiles at either end are never loaded
+  w.hook_first = w.hook_end = MAP_UNKNOWN;
+  if (MaskMod::DATA_DEPENDENT && USE_MAP && p.mask_map) {  // the map's span and full run
+    const int* slot = mask_map_slot(p.mask_map, p.mask_map_heads, int64_t(w.seq) * p.num_m_blocks + m_block, w.kv_head);
+    t_lo = max(t_lo, slot[0]);
+    t_hi = max(t_lo, min(t_hi, slot[1]));
+    w.hook_first = slot[2];
+    w.hook_end = slot[3];
+  } else if constexpr (MaskMod::ACTIVE) {  // the mask hook's empty tiles at either end are never loaded
     const MaskMod mask_mod = mask_mod_of(p);
     while (t_lo < t_hi && mask_mod.classify(w.seq, w.kv_head, r_lo + off, r_hi + off, t_lo * BLOCK_N,
                                             t_lo * BLOCK_N + BLOCK_N - 1) == TILE_EMPTY)
@@ -95,3 +106,24 @@ __device__ __forceinline__ bool decode_work(const VarlenParams& p, Work& w, unsi
   w.tile_end = min(t_hi, w.tile_begin + per_split);
   return true;
 }
+{% if mask_map %}
+
+// The forward's mask map (mask_map.cuh): one CTA per (row block, sequence, KV head or 1), over the
+// key tiles block_extent gives the block, before varlen_fwd (stream order).
+__global__ void __launch_bounds__(MAP_THREADS) varlen_fwd_mask_map(const VarlenParams p) {
+  int rest = blockIdx.x;
+  Work w;
+  w.kv_head = rest % p.mask_map_heads;
+  rest /= p.mask_map_heads;
+  const int m_block = rest % p.num_m_blocks;
+  w.seq = rest / p.num_m_blocks;
+  w.split = 0;
+  w.m0 = m_block * BLOCK_M;
+  int t_lo = 0, t_hi = 0;
+  const bool any = block_extent<false>(p, w, t_lo, t_hi);
+  const int pr_lo = max(w.m0, 0), pr_hi = any ? min(w.m0 + BLOCK_M, w.rows) - 1 : -1, k_len = any ? w.k_len : 0;
+  map_unit(mask_mod_of(p), w.seq, w.kv_head, p.pack, any ? w.k_len - w.q_len : 0, t_lo, any ? t_hi : t_lo,
+           [&](int t) { return make_int4(pr_lo, pr_hi, t * BLOCK_N, min(t * BLOCK_N + BLOCK_N, k_len)); },
+           mask_map_slot(p.mask_map, p.mask_map_heads, int64_t(w.seq) * p.num_m_blocks + m_block, w.kv_head));
+}
+{% endif %}

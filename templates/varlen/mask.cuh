@@ -45,11 +45,23 @@ __device__ __forceinline__ RowSpan visible_rows(const Params& p, const AnyWork& 
 // work item's range (the forward's block_extent, the backward's decode_work outside
 // deterministic mode), so a causal or sliding-window mask_mod runs the built-in window's tiles;
 // empty tiles inside the range are computed fully masked, and the mainloops mask the tiles it
-// does not call full. NoMaskMod, the default, is inactive: every use of it compiles away.
+// does not call full. A mask_mod that reads captured tensors (document ids) is classified by
+// evaluating it on the device instead, per call, into a mask map (mask_map.cuh). NoMaskMod, the default, is inactive: every use of it compiles away.
 enum TileClass { TILE_EMPTY, TILE_PARTIAL, TILE_FULL };
+
+// The mask map's slots (mask_map.cuh), here because the schedulers read them (plain arithmetic,
+// compiled on the host by the schedule tests too): unit `unit` (sequence-major: seq * units per
+// sequence + the unit's index) of KV head kv_head, 4 ints each; one set per KV head when the
+// map has map_heads > 1 (the mask reads h).
+constexpr int MAP_UNKNOWN = INT_MIN;  // a Work's hook run when no map gives it (interval analysis does)
+__device__ __forceinline__ int* mask_map_slot(int* map, int map_heads, int64_t unit, int kv_head) {
+  return map + 4 * (unit * map_heads + (map_heads > 1 ? kv_head : 0));
+}
 
 struct NoMaskMod {
   static constexpr bool ACTIVE = false;
+  static constexpr bool DATA_DEPENDENT = false;  // a mask_mod reading captured tensors: mask_map.cuh
+  static constexpr bool USES_HEAD = false;
   template <class Params>
   __device__ __forceinline__ explicit NoMaskMod(const Params&) {}
   __device__ __forceinline__ bool visible(int, int, int, int) const { return true; }

@@ -15,6 +15,8 @@ struct VarlenParams {
   const int* block_table;     // (N, max_pages) when paged
   int* bad_page;              // debug: {flag, sequence, logical page} of an out-of-range page id
   int* work_counter;          // persistent kernels: items taken past each CTA's first (zeroed per call)
+  int* mask_map;              // a mask_mod reading captures: (sequence, row block, KV head or 1) slots (mask_map.cuh)
+  int mask_map_heads;         // the map's slots per row block: num_heads_kv when the mask reads h, else 1
   int64_t q_stride_token, q_stride_head;
   int64_t out_stride_token, out_stride_head;
   int64_t k_stride_page, k_stride_token, k_stride_head;  // unpaged: k_stride_page unused
