@@ -205,7 +205,7 @@ def test_common_subexpressions_are_emitted_once():
 ALLOWED_WORDS = set("""
 struct static constexpr bool ACTIVE true false const jitattn_variant Capture caps float int scale inv_scale template
 class Params __device__ __forceinline__ __host__ explicit p captures nullptr score s b h q_idx kv_idx return dscore sc
-MaskMod ScoreMod DATA_DEPENDENT USES_HEAD vfloat pack visible TileClass classify kv_head q_lo q_hi kv_lo kv_hi TILE_EMPTY TILE_FULL TILE_PARTIAL
+MaskMod ScoreMod DATA_DEPENDENT USES_HEAD pack visible TileClass classify kv_head q_lo q_hi kv_lo kv_hi TILE_EMPTY TILE_FULL TILE_PARTIAL
 may_true may_false lo hi long INFINITY IInt IBool IFloat The user s score_mod mask_mod rendered by jitattn variants
 render py from the tree returns f scale dscore per element tile interval analysis sound e
 """.split()) | {f"load_{d}" for d in ("float32", "float16", "bfloat16", "int32", "int64", "bool")} | \

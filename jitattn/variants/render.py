@@ -115,7 +115,7 @@ class _Emitter:
         if op == "not":
             return f"!{args[0]}"
         if op == "float":
-            return f"{NS}vfloat({args[0]})"
+            return f"float({args[0]})"
         if operand == "int":
             return f"{NS}{INT_FUNCTIONS[op]}({', '.join(args)})"
         if op in FLOAT_OPERATORS:

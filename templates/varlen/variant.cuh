@@ -94,17 +94,6 @@ JITATTN_VARIANT_FN int mod(int a, int b) {
 JITATTN_VARIANT_FN float fminimum(float a, float b) { return a != a ? a : b != b ? b : fminf(a, b); }
 JITATTN_VARIANT_FN float fmaximum(float a, float b) { return a != a ? a : b != b ? b : fmaxf(a, b); }
 
-// int -> float. I2F issues at a quarter of the FMA rate on sm_90, on the pipe the softmax's exp2
-// already fills: a relative bias (float(q_idx - kv_idx) per logit) cost the forward a fifth
-// (notes/variants-h100.md). For |x| < 2^22 the sum 1.5 * 2^23 + x is exact in a float's mantissa,
-// so an integer add on the bits and a float subtract give float(x) exactly; larger x convert.
-JITATTN_VARIANT_FN float vfloat(int x) {
-#ifdef __CUDA_ARCH__
-  if (unsigned(x + 4194304) < 8388608u) return __int_as_float(0x4B400000 + x) - 12582912.f;
-#endif
-  return float(x);
-}
-
 // 2^x by ex2.approx (relative error about 2 ulp; subnormal results flush to 0).
 JITATTN_VARIANT_FN float vexp2(float x) {
 #ifdef __CUDA_ARCH__
