@@ -108,15 +108,15 @@ __device__ __forceinline__ bool key_tile_work(const BwdParams& p, Work& w, int j
     w.hook_first = slot[2];
     w.hook_end = slot[3];
   } else if constexpr (MaskMod::ACTIVE) {
-    if (p.semaphores == nullptr) {
+    if (p.semaphores == nullptr) {  // by bisection (mask.cuh): a box of query tiles at a time
       const MaskMod mask_mod = mask_mod_of(p);
-      const int kv_last = w.n0 + BLOCK_N - 1;
-      auto empty = [&](int m) {
-        const int r_first = m * BLOCK_M / p.pack, r_last = (min((m + 1) * BLOCK_M, w.rows) - 1) / p.pack;
-        return mask_mod.classify(w.seq, w.kv_head, r_first + int(off), r_last + int(off), w.n0, kv_last) == TILE_EMPTY;
+      auto empty = [&](int a, int b) {  // query tiles [a, b)
+        const int r_first = a * BLOCK_M / p.pack, r_last = (min(b * BLOCK_M, w.rows) - 1) / p.pack;
+        return mask_mod.classify(w.seq, w.kv_head, r_first + int(off), r_last + int(off), w.n0, w.n0 + BLOCK_N - 1) ==
+               TILE_EMPTY;
       };
-      while (w.m_begin < w.m_end && empty(w.m_begin)) ++w.m_begin;
-      while (w.m_end > w.m_begin && empty(w.m_end - 1)) --w.m_end;
+      w.m_begin = passing_prefix_end(w.m_begin, w.m_end, empty);
+      w.m_end = passing_suffix_begin(w.m_begin, w.m_end, empty);
     }
   }
   return true;

@@ -74,14 +74,22 @@ __device__ __forceinline__ bool block_extent(const VarlenParams& p, Work& w, int
     t_hi = max(t_lo, min(t_hi, slot[1]));
     w.hook_first = slot[2];
     w.hook_end = slot[3];
-  } else if constexpr (MaskMod::ACTIVE) {  // the mask hook's empty tiles at either end are never loaded
+  } else if constexpr (MaskMod::ACTIVE) {
+    // By interval analysis: the mask hook's empty tiles at either end are never loaded, and its
+    // first run of full tiles skips the element-wise mask (mask.cuh's bisection: few classify
+    // calls, made once per work item: the persistent kernel's producer thread decodes).
     const MaskMod mask_mod = mask_mod_of(p);
-    while (t_lo < t_hi && mask_mod.classify(w.seq, w.kv_head, r_lo + off, r_hi + off, t_lo * BLOCK_N,
-                                            t_lo * BLOCK_N + BLOCK_N - 1) == TILE_EMPTY)
-      ++t_lo;
-    while (t_hi > t_lo && mask_mod.classify(w.seq, w.kv_head, r_lo + off, r_hi + off, (t_hi - 1) * BLOCK_N,
-                                            t_hi * BLOCK_N - 1) == TILE_EMPTY)
-      --t_hi;
+    auto tiles_are = [&](TileClass c) {
+      return [&, c](int a, int b) {
+        return mask_mod.classify(w.seq, w.kv_head, r_lo + off, r_hi + off, a * BLOCK_N, b * BLOCK_N - 1) == c;
+      };
+    };
+    t_lo = passing_prefix_end(t_lo, t_hi, tiles_are(TILE_EMPTY));
+    t_hi = passing_suffix_begin(t_lo, t_hi, tiles_are(TILE_EMPTY));
+    int first_full = t_lo;
+    while (first_full < t_hi && !tiles_are(TILE_FULL)(first_full, first_full + 1)) ++first_full;
+    w.hook_first = first_full;
+    w.hook_end = passing_prefix_end(first_full, t_hi, tiles_are(TILE_FULL));
   }
   w.splits = p.num_splits;
   if (p.split_min_tiles > 0)

@@ -56,13 +56,10 @@ __device__ __forceinline__ bool mask_hook_cuts(const VarlenParams& p, const Work
   return mask_mod_of(p).classify(w.seq, w.kv_head, q_lo, q_hi, n0, n0 + BLOCK_N - 1) != TILE_FULL;
 }
 
-// The tiles [x, y) of w the mask hook leaves whole: the mask map's run, or the longest run of
-// tiles interval analysis calls full among the work's own.
-__device__ __forceinline__ int2 hook_full_run(const VarlenParams& p, const Work& w) {
-  if (w.hook_first != MAP_UNKNOWN) return make_int2(w.hook_first, w.hook_end);
-  TileRun run;
-  for (int t = w.tile_begin; t < w.tile_end; ++t) run.add(t, mask_hook_cuts(p, w, t * BLOCK_N) ? TILE_PARTIAL : TILE_FULL);
-  return make_int2(run.full_first, run.full_end);
+// The tiles [x, y) of w the mask hook leaves whole: the mask map's run, or interval analysis's
+// first run (block_extent found both).
+__device__ __forceinline__ int2 hook_full_run(const VarlenParams&, const Work& w) {
+  return make_int2(w.hook_first, w.hook_end);
 }
 
 // Online softmax over the tile: new row maxima (over the quad that shares a row), exponentiate
