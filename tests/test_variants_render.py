@@ -469,3 +469,19 @@ def test_a_mask_that_reads_captured_tensors_asks_for_a_mask_map():
         source = render_mask_mod(v)
         assert f"DATA_DEPENDENT = {'true' if want[0] else 'false'};" in source, name
         assert f"USES_HEAD = {'true' if want[1] else 'false'};" in source, name
+
+
+def test_the_kernels_that_take_a_mask_map():
+    """A data-dependent mask_mod gives the prefill forward and the backward a mask map; the decode
+    tile (generation: a launch per call would cost more than it saves) and masks interval
+    analysis decides take none."""
+    from jitattn.variants import gallery, trace_mask_mod
+    from jitattn.varlen.spec import VarlenBackwardSpec, VarlenSpec
+
+    document = trace_mask_mod(gallery.document(torch.zeros(2, 8, dtype=torch.int32))).key_text
+    causal = trace_mask_mod(gallery.causal).key_text
+    assert VarlenSpec(head_dim=128, dtype="bfloat16", mask_mod=document).params()["mask_map"]
+    assert not VarlenSpec(head_dim=128, dtype="bfloat16", decode=True, mask_mod=document).params()["mask_map"]
+    assert VarlenBackwardSpec(head_dim=128, dtype="bfloat16", mask_mod=document).params()["mask_map"]
+    assert not VarlenSpec(head_dim=128, dtype="bfloat16", mask_mod=causal).params()["mask_map"]
+    assert not VarlenBackwardSpec(head_dim=128, dtype="bfloat16", mask_mod=causal).params()["mask_map"]

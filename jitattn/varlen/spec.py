@@ -320,8 +320,12 @@ class VarlenSpec(KernelSpec):
     def params(self) -> dict:
         # Decisions the templates read rather than re-derive: the producer warpgroup, and TMA
         # (which __post_init__ allows only with the producer or on a decode tile).
+        variants = _variant_params(self)
+        # The decode tile (a few keys of few queries per CTA, every tile checked in the kernel)
+        # takes no mask map: its extra launch per call would cost generation more than it saves.
+        variants["mask_map"] = variants["mask_map"] and not self.decode
         return {**super().params(), "warps_n": self.warps_n, "has_producer": self.has_producer,
-                "uses_tma": self.tma and (self.has_producer or self.decode), **_variant_params(self)}
+                "uses_tma": self.tma and (self.has_producer or self.decode), **variants}
 
     def to_dict(self) -> dict:
         return {"family": self.family, **super().params()}
