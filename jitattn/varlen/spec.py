@@ -84,6 +84,20 @@ def _variant_params(spec) -> dict:
             "num_captures": score_captures + (len(mask.captures) if mask else 0)}
 
 
+# A mask map (templates/varlen/mask_map.cuh) costs a launch and one mask evaluation per pair; it
+# pays where a work unit has tiles to skip: from this many tiles on the side its units scan (the
+# forward's key tiles, the backward's query tiles). Shorter calls (padded sentences, prompts of a
+# few hundred tokens) classify by interval analysis alone.
+MASK_MAP_MIN_TILES = 4
+
+
+@functools.lru_cache(maxsize=256)
+def takes_mask_map(spec) -> bool:
+    """Whether the kernels of `spec` were built with a mask map (their run() then takes
+    build_mask_map before the captured tensors)."""
+    return bool(spec.params()["mask_map"])
+
+
 def _variant_tag(spec) -> str:
     """The spec name's part for its variants: a digest of each tree's canonical text."""
     tag = ""
