@@ -115,8 +115,12 @@ __device__ __forceinline__ bool key_tile_work(const BwdParams& p, Work& w, int j
         return mask_mod.classify(w.seq, w.kv_head, r_first + int(off), r_last + int(off), w.n0, w.n0 + BLOCK_N - 1) ==
                TILE_EMPTY;
       };
-      w.m_begin = passing_prefix_end(w.m_begin, w.m_end, empty);
-      w.m_end = passing_suffix_begin(w.m_begin, w.m_end, empty);
+      if (w.m_begin < w.m_end && empty(w.m_begin, w.m_end)) {  // one call for a wholly hidden key tile
+        w.m_end = w.m_begin;
+      } else if (w.m_end - w.m_begin > 1) {
+        w.m_begin = passing_prefix_end(w.m_begin, w.m_end, empty);
+        w.m_end = passing_suffix_begin(w.m_begin, w.m_end, empty);
+      }
     }
   }
   return true;

@@ -84,12 +84,23 @@ __device__ __forceinline__ bool block_extent(const VarlenParams& p, Work& w, int
         return mask_mod.classify(w.seq, w.kv_head, r_lo + off, r_hi + off, a * BLOCK_N, b * BLOCK_N - 1) == c;
       };
     };
-    t_lo = passing_prefix_end(t_lo, t_hi, tiles_are(TILE_EMPTY));
-    t_hi = passing_suffix_begin(t_lo, t_hi, tiles_are(TILE_EMPTY));
-    int first_full = t_lo;
-    while (first_full < t_hi && !tiles_are(TILE_FULL)(first_full, first_full + 1)) ++first_full;
-    w.hook_first = first_full;
-    w.hook_end = passing_prefix_end(first_full, t_hi, tiles_are(TILE_FULL));
+    // The whole range first: one call settles a mask that hides or shows all of it (a padded
+    // sentence's few tiles: each call reads a capture, a memory latency).
+    const TileClass all = t_lo < t_hi ? mask_mod.classify(w.seq, w.kv_head, r_lo + off, r_hi + off, t_lo * BLOCK_N,
+                                                          t_hi * BLOCK_N - 1)
+                                      : TILE_EMPTY;
+    if (all == TILE_EMPTY) t_hi = t_lo;
+    if (all != TILE_PARTIAL) {
+      w.hook_first = t_lo;
+      w.hook_end = t_hi;
+    } else {
+      t_lo = passing_prefix_end(t_lo, t_hi, tiles_are(TILE_EMPTY));
+      t_hi = passing_suffix_begin(t_lo, t_hi, tiles_are(TILE_EMPTY));
+      int first_full = t_lo;
+      while (first_full < t_hi && !tiles_are(TILE_FULL)(first_full, first_full + 1)) ++first_full;
+      w.hook_first = first_full;
+      w.hook_end = passing_prefix_end(first_full, t_hi, tiles_are(TILE_FULL));
+    }
   }
   w.splits = p.num_splits;
   if (p.split_min_tiles > 0)

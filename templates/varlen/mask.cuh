@@ -53,18 +53,19 @@ enum TileClass { TILE_EMPTY, TILE_PARTIAL, TILE_FULL };
 // compiled on the host by the schedule tests too): unit `unit` (sequence-major: seq * units per
 // sequence + the unit's index) of KV head kv_head, 4 ints each; one set per KV head when the
 // map has map_heads > 1 (the mask reads h).
-constexpr int MAP_UNKNOWN = INT_MIN;
+constexpr int MAP_UNKNOWN = INT_MIN;  // a Work's hook run when no map gives it (interval analysis does)
 
 // Runs of tiles by interval analysis, with few classify calls: passes(x, y) says every tile of
 // [x, y) passes (EMPTY, or FULL) by classifying the range as one box. Boxes shrink monotonically
 // (a sub-box of an EMPTY box is EMPTY), so the longest passing prefix of [a, b) is bisected in
-// log2 steps, then extended tile by tile where the one box was too coarse (what a per-tile scan
-// found, for a causal or windowed mask in 5-6 calls instead of one per tile: the scan cost the
-// sliding-window forward a tenth of its time).
+// log2 steps down to the last two tiles, then extended tile by tile where the one box was too
+// coarse (what a per-tile scan found, for a causal or windowed mask in 5-6 calls instead of one
+// per tile: the scan cost the sliding-window forward a tenth of its time; a short range takes
+// one call per tile, as a capture read in classify costs a memory latency per call).
 template <class Passes>
 __device__ __forceinline__ int passing_prefix_end(int a, int b, Passes passes) {
   int lo = a, hi = b;  // [a, lo) passes; no prefix longer than hi - a was refuted... yet
-  while (lo < hi) {
+  while (hi - lo > 2) {  // a few tiles: one call each (a capture read costs a memory latency per call)
     const int mid = lo + (hi - lo + 1) / 2;
     if (passes(a, mid)) lo = mid;
     else hi = mid - 1;
@@ -76,14 +77,14 @@ __device__ __forceinline__ int passing_prefix_end(int a, int b, Passes passes) {
 template <class Passes>
 __device__ __forceinline__ int passing_suffix_begin(int a, int b, Passes passes) {
   int lo = a, hi = b;  // [hi, b) passes
-  while (lo < hi) {
+  while (hi - lo > 2) {
     const int mid = lo + (hi - lo) / 2;
     if (passes(mid, b)) hi = mid;
     else lo = mid + 1;
   }
   while (hi > a && passes(hi - 1, hi)) --hi;
   return hi;
-}  // a Work's hook run when no map gives it (interval analysis does)
+}
 __device__ __forceinline__ int* mask_map_slot(int* map, int map_heads, int64_t unit, int kv_head) {
   return map + 4 * (unit * map_heads + (map_heads > 1 ? kv_head : 0));
 }
