@@ -120,13 +120,18 @@ def test_variants_on_the_decode_shape_and_paged_keys(head_dim):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_causal_and_sliding_masks_equal_the_built_in_window(head_dim):
+def test_causal_and_sliding_masks_equal_the_built_in_window(head_dim, monkeypatch):
+    """Through the mask hook (JITATTN_LOWER_WINDOWS=0: by default such masks run as the built-in
+    window itself, jitattn/variants/window.py), and lowered."""
     b = make_batch([512, 300], [512, 700], 4, 4, head_dim, BF16, seed=5)
-    for mask_mod, window in ((gallery.causal, (-1, 0)), (gallery.sliding_window(100), (100, 0))):
-        masked = jitattn.varlen_attn(*b.args(), mask_mod=mask_mod)
-        built_in = jitattn.varlen_attn(*b.args(), window_size=window)
-        rel, abs_ = TOL[BF16]
-        assert (masked.float() - built_in.float()).abs().max().item() < abs_ / 4, f"mask vs window {window}"
+    rel, abs_ = TOL[BF16]
+    for lower in ("0", "1"):
+        monkeypatch.setenv("JITATTN_LOWER_WINDOWS", lower)
+        for mask_mod, window in ((gallery.causal, (-1, 0)), (gallery.sliding_window(100), (100, 0))):
+            masked = jitattn.varlen_attn(*b.args(), mask_mod=mask_mod)
+            built_in = jitattn.varlen_attn(*b.args(), window_size=window)
+            assert (masked.float() - built_in.float()).abs().max().item() < abs_ / 4, \
+                f"mask vs window {window}, JITATTN_LOWER_WINDOWS={lower}"
 
 
 def test_deterministic_backward_with_a_mask_is_bitwise_reproducible():

@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jitattn.variants import gallery, trace_mask_mod, trace_score_mod  # noqa: E402
+from jitattn.variants.window import window_of  # noqa: E402
 from jitattn.varlen.spec import VarlenBackwardSpec, VarlenSpec  # noqa: E402
 
 HEADER = """# Issue 46's acceptance set of attention variants (jitattn/variants/gallery.py) as prewarm specs:
@@ -52,6 +53,8 @@ def acceptance_set(seqlen: int, heads: int = 32) -> dict:
 def bench_specs(score, mask, head_dim: int, dtype: str) -> list:
     """The specs a benchmark call of this variant runs on sm_90 (VarlenSpec.for_call's and
     VarlenBackwardSpec.for_call's choice: packed prefill, automatic splits, not deterministic)."""
+    if window_of(mask) is not None:  # runs as the built-in window (jitattn/variants/window.py)
+        mask = None
     texts = {"score_mod": score.key_text if score else "", "mask_mod": mask.key_text if mask else ""}
     return [VarlenSpec.for_call(head_dim, dtype, False, False, False, False, True, **texts),
             VarlenBackwardSpec.for_call(head_dim, dtype, False, False, True, **texts)]
@@ -59,11 +62,16 @@ def bench_specs(score, mask, head_dim: int, dtype: str) -> list:
 
 def manifest_text(seqlen: int, head_dims: list[int], dtypes: list[str], argv: list[str]) -> str:
     out = [HEADER.format(args=" ".join(argv) or "(defaults)")]
+    listed = set()
     for name, (score, mask) in acceptance_set(seqlen).items():
         for head_dim in head_dims:
             for dtype in dtypes:
                 for spec in bench_specs(score, mask, head_dim, dtype):
-                    out.append(f"# {name}: {score or mask}\n[[spec]]\n")
+                    if spec.name in listed:  # the window masks share the built-in kernels
+                        continue
+                    listed.add(spec.name)
+                    lowered = " (a window: the built-in kernels)" if window_of(mask) is not None else ""
+                    out.append(f"# {name}: {score or mask}{lowered}\n[[spec]]\n")
                     out.extend(f"{k} = {json.dumps(v)}\n" for k, v in spec.to_dict().items())
                     out.append("\n")
     return "".join(out).rstrip("\n") + "\n"

@@ -234,6 +234,13 @@ def wgmma_enabled() -> bool:
     return value is None or value.strip().lower() not in _FALSE[1:]  # set but empty: the default
 
 
+def lower_mask_windows() -> bool:
+    """JITATTN_LOWER_WINDOWS (default on): a mask_mod that is a window runs as the built-in window
+    (jitattn/variants/window.py); 0 keeps the mask hook."""
+    value = _get("JITATTN_LOWER_WINDOWS")
+    return value is None or value.strip().lower() not in _FALSE[1:]
+
+
 def record_path() -> Path | None:
     raw = os.environ.get("JITATTN_RECORD", "").strip()
     return Path(raw).expanduser() if raw else None

@@ -22,6 +22,7 @@ from jitattn import checks as check
 from jitattn.jit import env
 from jitattn.jit.loader import get_module
 from jitattn.kernel import call_memo
+from jitattn.variants.window import lower_window
 from jitattn.varlen import overrides
 from jitattn.varlen.checks import AuxRequest, varlen_call
 from jitattn.varlen.forward import captures_of
@@ -64,7 +65,10 @@ def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tens
     total_q, heads_q, head_dim = query.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     softcap = float(softcap or 0.0)
-    left, right = (min(int(w), WINDOW_CLAMP) for w in window_size)
+    # A mask_mod that is a window runs as the built-in window, as in the forward
+    # (jitattn/variants/window.py).
+    mask_mod, left, right = lower_window(mask_mod, int(window_size[0]), int(window_size[1]), env.lower_mask_windows())
+    left, right = min(left, WINDOW_CLAMP), min(right, WINDOW_CLAMP)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     if max_q is None:

@@ -8,6 +8,7 @@ from jitattn import checks as check
 from jitattn.jit import env
 from jitattn.jit.loader import get_module
 from jitattn.kernel import OpKernel, call_memo
+from jitattn.variants.window import lower_window
 from jitattn.varlen import overrides
 from jitattn.varlen.checks import VarlenCall, check_varlen_values
 from jitattn.varlen.plan import DECODE_ROWS, MAX_SPLITS, MIN_SPLIT_TILES, auto_splits, is_hopper
@@ -42,7 +43,10 @@ def forward(call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
     # for_call's arguments in its order (head_dim, dtype, paged, soft cap, few rows, one split,
     # sm_90, JITATTN_WGMMA there), then the override state
     # (and the variants' canonical texts)
-    score_mod, mask_mod = call.score_mod, call.mask_mod
+    score_mod = call.score_mod
+    # A mask_mod that is a window runs as the built-in window (jitattn/variants/window.py).
+    mask_mod, window_left, window_right = lower_window(call.mask_mod, args.window_left, args.window_right,
+                                                       env.lower_mask_windows())
     variants = (score_mod.key_text if score_mod else "", mask_mod.key_text if mask_mod else "")
     facts = (args.head_dim, query.dtype, args.paged, args.softcap > 0, max_q * group <= DECODE_ROWS,
              args.num_splits == 1, hopper, hopper and env.wgmma_enabled(), overrides.state(), variants)
@@ -79,7 +83,7 @@ def forward(call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
         target = None
     bad_page = torch.zeros(3, dtype=torch.int32, device=args.device) if debug and args.paged else None
     result, lse = kernel.run(query, key, value, metadata[0], metadata[1], metadata[2], block_table, target,
-                             bad_page, group, m_blocks, splits, min_tiles, args.window_left, args.window_right,
+                             bad_page, group, m_blocks, splits, min_tiles, window_left, window_right,
                              args.scale * LOG2E, args.softcap, args.return_lse,
                              *((call.max_k > MASK_MAP_MIN_TILES * tile_n,) if mask_map else ()),
                              *captures_of(score_mod, mask_mod))
