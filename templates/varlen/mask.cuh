@@ -55,6 +55,35 @@ enum TileClass { TILE_EMPTY, TILE_PARTIAL, TILE_FULL };
 // map has map_heads > 1 (the mask reads h).
 constexpr int MAP_UNKNOWN = INT_MIN;  // a Work's hook run when no map gives it (interval analysis does)
 
+// The span of non-empty tiles and the longest run of full ones, over tiles classified in
+// ascending order (a mask map's slot: mask_map.cuh).
+struct TileRun {
+  int first = INT_MAX, end = INT_MIN, full_first = 0, full_end = 0, run = -1;
+  __device__ __forceinline__ void add(int t, TileClass c) {
+    if (c != TILE_EMPTY) {
+      first = min(first, t);
+      end = t + 1;
+    }
+    if (c != TILE_FULL) {
+      run = -1;
+      return;
+    }
+    if (run < 0) run = t;
+    if (t + 1 - run > full_end - full_first) {
+      full_first = run;
+      full_end = t + 1;
+    }
+  }
+  // Into a slot; with no non-empty tile, an empty span at `none`.
+  __device__ __forceinline__ void store(int* slot, int none) const {
+    const bool any = first <= end;
+    slot[0] = any ? first : none;
+    slot[1] = any ? end : none;
+    slot[2] = full_first;
+    slot[3] = full_end;
+  }
+};
+
 // Runs of tiles by interval analysis, with few classify calls: passes(x, y) says every tile of
 // [x, y) passes (EMPTY, or FULL) by classifying the range as one box. Boxes shrink monotonically
 // (a sub-box of an EMPTY box is EMPTY), so the longest passing prefix of [a, b) is bisected in

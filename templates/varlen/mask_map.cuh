@@ -13,34 +13,6 @@
 // between are partial (or empty inside the span: computed fully masked, still correct). One slot
 // per KV head when the mask reads h, else one for every head.
 constexpr int MAP_THREADS = 512;  // 16 warps, a tile each: the map's CTAs are few (a unit each)
-// The span of non-empty tiles and the longest run of full ones, over tiles classified in
-// ascending order.
-struct TileRun {
-  int first = INT_MAX, end = INT_MIN, full_first = 0, full_end = 0, run = -1;
-  __device__ __forceinline__ void add(int t, TileClass c) {
-    if (c != TILE_EMPTY) {
-      first = min(first, t);
-      end = t + 1;
-    }
-    if (c != TILE_FULL) {
-      run = -1;
-      return;
-    }
-    if (run < 0) run = t;
-    if (t + 1 - run > full_end - full_first) {
-      full_first = run;
-      full_end = t + 1;
-    }
-  }
-  // Into a slot; with no non-empty tile, an empty span at `none`.
-  __device__ __forceinline__ void store(int* slot, int none) const {
-    const bool any = first <= end;
-    slot[0] = any ? first : none;
-    slot[1] = any ? end : none;
-    slot[2] = full_first;
-    slot[3] = full_end;
-  }
-};
 
 // The hook's class of one tile by evaluating it, by one warp: packed query rows [pr_lo, pr_hi]
 // of KV head kv_head (row r = pr / pack of its sequence, q_idx r + off) against keys [k_lo, k_hi),

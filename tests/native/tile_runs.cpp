@@ -1,8 +1,11 @@
-// Host build of mask.cuh's tile-run search (passing_prefix_end / passing_suffix_begin), for
-// tests/test_mask_tile_runs.py: the same source the kernels include, compiled with g++.
-// stdin: cases of "n a b limit c_0 .. c_{n-1}" (c_i 1 when tile i passes on its own); a box
-// [x, y) passes when every tile in it does and y - x <= limit (interval analysis' coarseness:
-// monotone under inclusion). stdout per case: "prefix_end suffix_begin calls_prefix calls_suffix".
+// Host build of mask.cuh's tile runs, for tests/test_mask_tile_runs.py: the same source the
+// kernels include, compiled with g++. stdin: cases, each
+//   "P n a b limit c_0 .. c_{n-1}": the search (passing_prefix_end / passing_suffix_begin); c_i 1
+//     when tile i passes on its own; a box [x, y) passes when every tile in it does and
+//     y - x <= limit (interval analysis' coarseness: monotone under inclusion). Prints
+//     "prefix_end suffix_begin calls_prefix calls_suffix".
+//   "T first n c_0 .. c_{n-1}": a mask map's TileRun over tiles first, first + 1, ... of classes
+//     c_i (0 empty, 1 partial, 2 full). Prints the slot "span_first span_end full_first full_end".
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -16,8 +19,24 @@ using std::min;
 #include "mask.cuh"
 
 int main() {
-  int n, a, b, limit;
-  while (std::cin >> n >> a >> b >> limit) {
+  char mode;
+  while (std::cin >> mode) {
+    if (mode == 'T') {
+      int first, n;
+      std::cin >> first >> n;
+      TileRun run;
+      for (int i = 0; i < n; ++i) {
+        int c;
+        std::cin >> c;
+        run.add(first + i, static_cast<TileClass>(c));
+      }
+      int slot[4];
+      run.store(slot, first);
+      std::cout << slot[0] << ' ' << slot[1] << ' ' << slot[2] << ' ' << slot[3] << '\n';
+      continue;
+    }
+    int n, a, b, limit;
+    std::cin >> n >> a >> b >> limit;
     std::vector<int> tile(n);
     for (int& c : tile) std::cin >> c;
     int calls = 0;
