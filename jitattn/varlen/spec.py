@@ -87,15 +87,27 @@ def _variant_params(spec) -> dict:
 # A mask map (templates/varlen/mask_map.cuh) costs a launch and one mask evaluation per pair; it
 # pays where a work unit has tiles to skip: from this many tiles on the side its units scan (the
 # forward's key tiles, the backward's query tiles). Shorter calls (padded sentences, prompts of a
-# few hundred tokens) classify by interval analysis alone.
+# few hundred tokens) classify by interval analysis alone, as do calls whose map would pass
+# MASK_MAP_MAX_BYTES (16 bytes per work unit: a pack of very many sequences).
 MASK_MAP_MIN_TILES = 4
+MASK_MAP_MAX_BYTES = 64 << 20
 
 
 @functools.lru_cache(maxsize=256)
-def takes_mask_map(spec) -> bool:
-    """Whether the kernels of `spec` were built with a mask map (their run() then takes
-    build_mask_map before the captured tensors)."""
-    return bool(spec.params()["mask_map"])
+def _mask_map_layout(spec) -> tuple[bool, bool]:
+    params = spec.params()
+    return bool(params["mask_map"]), bool(params["mask_map_per_head"])
+
+
+def mask_map_flag(spec, scanned: int, tile: int, units: int, heads_kv: int) -> tuple:
+    """The bindings' build_mask_map argument for one call of `spec`'s kernels: () when they were
+    built without a mask map, else (whether to build it): `scanned` positions on the side a unit
+    scans in tiles of `tile`, `units` work units per KV head (or for all heads)."""
+    takes, per_head = _mask_map_layout(spec)
+    if not takes:
+        return ()
+    size = 16 * units * (heads_kv if per_head else 1)
+    return (scanned > MASK_MAP_MIN_TILES * tile and size <= MASK_MAP_MAX_BYTES,)
 
 
 def _variant_tag(spec) -> str:
