@@ -143,12 +143,13 @@ __device__ __forceinline__ void scored_probs_to_dscores(const BwdParams& p, cons
 }
 
 // Zero P^T and dS^T where the (key, query) pair is hidden (mask.cuh): past the sequence's rows
-// or keys, outside the window, or by the mask hook. Only boundary tiles run it. Each of the thread's two keys sees one
+// or keys, outside the window, or by the mask hook (asked per element only when `hook`: the tile's
+// QueryTile says the hook cuts it). Only boundary tiles run it. Each of the thread's two keys sees one
 // interval of packed rows (visible_rows), so an element costs two compares against its
 // compile-time column offset, instead of a division by pack for each of the thread's query columns.
 template <int TILES>
 __device__ __forceinline__ void mask_hidden(const BwdParams& p, const Work& w, int m, int key0, int q0, int g, int c,
-                                            float (&pt)[TILES][4], float (&ds)[TILES][4]) {
+                                            bool hook, float (&pt)[TILES][4], float (&ds)[TILES][4]) {
   const int base = m * BLOCK_M + q0 + 2 * c;  // element (t, e)'s packed row: base + 8 t + (e & 1)
   int lo[2], hi[2];                           // visible rows of keys g and g + 8, less base
 #pragma unroll
@@ -167,8 +168,8 @@ __device__ __forceinline__ void mask_hidden(const BwdParams& p, const Work& w, i
       bool hidden = d < lo[e / 2] || d > hi[e / 2];
       if constexpr (MaskMod::ACTIVE) {  // the mask hook (mask.cuh)
         const PackedRow<8>& col = (e & 1) ? odd : even;
-        hidden = hidden || !mask_mod_of(p).visible(w.seq, w.kv_head * p.pack + col.head, variant_q_idx(w, col.token),
-                                                   w.n0 + key0 + g + 8 * (e / 2));
+        hidden = hidden || (hook && !mask_mod_of(p).visible(w.seq, w.kv_head * p.pack + col.head,
+                                                             variant_q_idx(w, col.token), w.n0 + key0 + g + 8 * (e / 2)));
       }
       if (hidden) pt[t][e] = ds[t][e] = 0.f;
     }

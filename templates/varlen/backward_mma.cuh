@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const BwdParams p) {
         probs_to_dscores(s, dp, d);
       }
     }
-    if (tile.masked) mask_hidden(p, w, m, key0, q0, g, c, s, dp);
+    if (tile.masked) mask_hidden(p, w, m, key0, q0, g, c, tile.hook, s, dp);
 
     // dS^T -> shared memory (T), for dQ; with WARPS_Q = 2 also P^T, for the partner warp.
 #pragma unroll

@@ -162,6 +162,7 @@ __device__ __forceinline__ bool key_written(const BwdParams& p, int token) {
 // it, or above it when descending; the active key tiles of a query tile are contiguous).
 struct QueryTile {
   bool masked;
+  bool hook;  // the mask hook cuts the tile: its per-element test runs (else the window's alone)
   int turn;
 };
 
@@ -175,12 +176,14 @@ __device__ __forceinline__ QueryTile query_tile(const BwdParams& p, const Work& 
   t.masked = w.n0 + BLOCK_N > w.k_len ||
              (p.window_left >= 0 && pr_last >= (int64_t(w.n0) - off + p.window_left + 1) * p.pack) ||
              (p.window_right >= 0 && pr0 < (int64_t(w.n0) + BLOCK_N - 1 - off - p.window_right) * p.pack);
+  t.hook = false;
   if constexpr (MaskMod::ACTIVE) {  // the mask hook (mask.cuh) cuts the tile: by the map, or classify
     if (w.hook_first != MAP_UNKNOWN)
-      t.masked = t.masked || m < w.hook_first || m >= w.hook_end;
+      t.hook = m < w.hook_first || m >= w.hook_end;
     else
-      t.masked = t.masked || mask_mod_of(p).classify(w.seq, w.kv_head, pr0 / p.pack + off, pr_last / p.pack + off,
-                                                     w.n0, w.n0 + BLOCK_N - 1) != TILE_FULL;
+      t.hook = mask_mod_of(p).classify(w.seq, w.kv_head, pr0 / p.pack + off, pr_last / p.pack + off, w.n0,
+                                       w.n0 + BLOCK_N - 1) != TILE_FULL;
+    t.masked = t.masked || t.hook;
   }
   if (w.descending) {
     const int k_hi = min(w.k_len, pr_last / p.pack + off + p.window_right + 1);  // window_right >= 0 here

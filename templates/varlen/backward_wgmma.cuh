@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
       load_row_stats(d, delta, q0, c);
       probs_to_dscores(s4, dp4, d);
     }
-    if (tile.masked) mask_hidden(p, w, m, key0, q0, g, c, s4, dp4);
+    if (tile.masked) mask_hidden(p, w, m, key0, q0, g, c, tile.hook, s4, dp4);
 
     // dS^T (DKV_SPLIT: and P^T; this warpgroup's queries) -> shared memory (T), for dQ (dV,
     // dK); else P^T and dS^T as A fragments. DKV_SPLIT with PRODUCER: one stage, which the

@@ -21,10 +21,22 @@ __device__ __forceinline__ void score_tile(const VarlenParams& p, const Work& w,
       }
 }
 
-// Hide (-inf) the logits the mask hides: the built-in rule (mask.cuh), then the mask hook.
+// Whether the mask hook hides part of key tile n0 of row block w (the tile then takes the mask).
+__device__ __forceinline__ bool mask_hook_cuts(const VarlenParams& p, const Work& w, int n0) {
+  if constexpr (!MaskMod::ACTIVE) return false;
+  if (w.hook_first != MAP_UNKNOWN) return n0 < w.hook_first * BLOCK_N || n0 >= w.hook_end * BLOCK_N;
+  const int off = w.k_len - w.q_len;
+  const int q_lo = max(w.m0, 0) / p.pack + off, q_hi = (min(w.m0 + BLOCK_M, w.rows) - 1) / p.pack + off;
+  return mask_mod_of(p).classify(w.seq, w.kv_head, q_lo, q_hi, n0, n0 + BLOCK_N - 1) != TILE_FULL;
+}
+
+// Hide (-inf) the logits the mask hides: the built-in rule (mask.cuh), then the mask hook, asked
+// per element only on a tile it cuts (an edge tile of the window inside the hook's full run,
+// e.g. the causal diagonal of a document, needs the window's compares alone).
 __device__ __forceinline__ void mask_tile(const VarlenParams& p, const Work& w, ScoreTile& s, int n0, int row0,
                                           int col0, int g, int c) {
   const MaskMod mask_mod = mask_mod_of(p);
+  const bool hook = mask_hook_cuts(p, w, n0);
   const int off = w.k_len - w.q_len;
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
@@ -41,20 +53,13 @@ __device__ __forceinline__ void mask_tile(const VarlenParams& p, const Work& w, 
           const int col = n0 + col0 + nt * 8 + 2 * c + (e & 1);
           bool hidden = col < keys.lo || col >= keys.hi;
           if constexpr (MaskMod::ACTIVE)
-            hidden = hidden || !mask_mod.visible(w.seq, packed_row(pr, p.pack, w.q_start, w.kv_head).head, r + off, col);
+            hidden = hidden ||
+                     (hook && !mask_mod.visible(w.seq, packed_row(pr, p.pack, w.q_start, w.kv_head).head, r + off, col));
           if (hidden) s[mt][nt][e] = -INFINITY;
         }
     }
 }
 
-// Whether the mask hook hides part of key tile n0 of row block w (the tile then takes the mask).
-__device__ __forceinline__ bool mask_hook_cuts(const VarlenParams& p, const Work& w, int n0) {
-  if constexpr (!MaskMod::ACTIVE) return false;
-  if (w.hook_first != MAP_UNKNOWN) return n0 < w.hook_first * BLOCK_N || n0 >= w.hook_end * BLOCK_N;
-  const int off = w.k_len - w.q_len;
-  const int q_lo = max(w.m0, 0) / p.pack + off, q_hi = (min(w.m0 + BLOCK_M, w.rows) - 1) / p.pack + off;
-  return mask_mod_of(p).classify(w.seq, w.kv_head, q_lo, q_hi, n0, n0 + BLOCK_N - 1) != TILE_FULL;
-}
 
 // The tiles [x, y) of w the mask hook leaves whole: the mask map's run, or interval analysis's
 // first run (block_extent found both).
