@@ -71,6 +71,20 @@ def _check_grads(got, want, dtype, what):
             assert err < GRAD_REL[dtype], f"{what}: {name} relative error {err:.2e}"
 
 
+def _check_forward_and_backward(b, score_mod, mask_mod, dtype, what):
+    """varlen_attn with the variants on batch b against float64: out and lse, then the gradients
+    of a random upstream gradient."""
+    query, key, value = (t.detach().requires_grad_(True) for t in (b.query, b.key, b.value))
+    out, lse = jitattn.varlen_attn(query, key, value, *b.args()[3:], enable_gqa=b.enable_gqa, score_mod=score_mod,
+                                   mask_mod=mask_mod, return_aux=jitattn.AuxRequest(lse=True))
+    grad_out = torch.randn_like(out)
+    ref_out, ref_lse, ref_grads = _reference(b, score_mod, mask_mod, grad_out=grad_out)
+    with torch.no_grad():
+        check(b, out.detach(), lse.detach(), (ref_out, ref_lse), f"{what} forward")
+    got = torch.autograd.grad(out, (query, key, value), grad_out)
+    _check_grads(got, ref_grads, dtype, f"{what} backward")
+
+
 NAMES = ["relative", "alibi", "bias_table", "softcap", "causal", "sliding", "document", "prefix_lm",
          "alibi+document"]
 CASES = [  # (head_dim, dtype, h_q, h_kv)
@@ -82,16 +96,7 @@ CASES = [  # (head_dim, dtype, h_q, h_kv)
 def test_variant_matches_float64_forward_and_backward(name, head_dim, dtype, h_q, h_kv):
     b = make_batch(LEN_Q, LEN_K, h_q, h_kv, head_dim, dtype, seed=head_dim + h_q)
     score_mod, mask_mod = _variants(h_q, max(LEN_K), len(LEN_Q))[name]
-    for t in (b.query, b.key, b.value):
-        t.requires_grad_(True)
-    out, lse = jitattn.varlen_attn(*b.args(), enable_gqa=b.enable_gqa, score_mod=score_mod, mask_mod=mask_mod,
-                                   return_aux=jitattn.AuxRequest(lse=True))
-    grad_out = torch.randn_like(out)
-    ref_out, ref_lse, ref_grads = _reference(b, score_mod, mask_mod, grad_out=grad_out)
-    with torch.no_grad():
-        check(b, out.detach(), lse.detach(), (ref_out, ref_lse), f"{name} forward")
-    got = torch.autograd.grad(out, (b.query, b.key, b.value), grad_out)
-    _check_grads(got, ref_grads, dtype, f"{name} backward d{head_dim} {dtype}")
+    _check_forward_and_backward(b, score_mod, mask_mod, dtype, f"{name} d{head_dim} {dtype}")
 
 
 @pytest.mark.parametrize("window", [(-1, 0), (30, 0), (16, 16)])
@@ -186,17 +191,8 @@ def test_mask_maps_of_masks_reading_captures_match_float64(head_dim):
     head_causal = torch.tensor([True, False] * 4, device=DEVICE)
     masks = {"unsorted documents": gallery.document(doc_id),
              "by head": lambda b_, h, q_idx, kv_idx: (head_causal[h] & (q_idx >= kv_idx)) | (q_idx - kv_idx > 600)}
-    for t in (b.query, b.key, b.value):
-        t.requires_grad_(True)
     for name, mask_mod in masks.items():
-        out, lse = jitattn.varlen_attn(*b.args(), enable_gqa=True, mask_mod=mask_mod,
-                                       return_aux=jitattn.AuxRequest(lse=True))
-        grad_out = torch.randn_like(out)
-        ref_out, ref_lse, ref_grads = _reference(b, None, mask_mod, grad_out=grad_out)
-        with torch.no_grad():
-            check(b, out.detach(), lse.detach(), (ref_out, ref_lse), f"{name} forward")
-        got = torch.autograd.grad(out, (b.query, b.key, b.value), grad_out)
-        _check_grads(got, ref_grads, BF16, f"{name} backward d{head_dim}")
+        _check_forward_and_backward(b, None, mask_mod, BF16, f"{name} d{head_dim}")
 
 
 def test_a_document_mask_replays_in_a_cuda_graph_with_new_ids():

@@ -57,12 +57,17 @@ def variant_set(batch, seqlen, heads, device):
     }
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's shape (also tools/variant_kernels.py's)."""
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    shape_arguments(parser)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one round, fewer reps")
     parser.add_argument("--only", nargs="*", default=None, help="variant names to run (substring match)")

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jitattn  # noqa: E402
-from bench_variants import variant_set  # noqa: E402
+from bench_variants import shape_arguments, variant_set  # noqa: E402
 
 
 def kernel_times(fn, iters: int) -> dict[str, float]:
@@ -49,10 +49,7 @@ def short(name: str) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seqlen", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--head-dim", type=int, default=128)
+    shape_arguments(parser)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--only", nargs="*", default=None, help="variant names (substring match)")
     args = parser.parse_args(argv)

@@ -139,12 +139,11 @@ __global__ void __launch_bounds__(POST_THREADS) varlen_bwd_post(const BwdParams 
 // The dK / dV kernel's mask map (mask_map.cuh): one CTA per (key tile j, sequence, KV head or 1),
 // over the query tiles key_tile_work gives it, before the preprocess (stream order).
 __global__ void __launch_bounds__(MAP_THREADS) varlen_bwd_mask_map(const BwdParams p) {
-  int rest = blockIdx.x;
+  const MapCta cta = map_cta(p.mask_map_heads, p.num_n_blocks);
+  const int j = cta.unit;
   Work w;
-  w.kv_head = rest % p.mask_map_heads;
-  rest /= p.mask_map_heads;
-  const int j = rest % p.num_n_blocks;
-  w.seq = rest / p.num_n_blocks;
+  w.kv_head = cta.kv_head;
+  w.seq = cta.seq;
   w.descending = false;
   const bool any = key_tile_work<false>(p, w, j);
   const int rows = any ? w.rows : 0, n0 = any ? w.n0 : 0, k_hi = any ? min(w.n0 + BLOCK_N, w.k_len) : 0;

@@ -130,12 +130,11 @@ __device__ __forceinline__ bool decode_work(const VarlenParams& p, Work& w, unsi
 // The forward's mask map (mask_map.cuh): one CTA per (row block, sequence, KV head or 1), over the
 // key tiles block_extent gives the block, before varlen_fwd (stream order).
 __global__ void __launch_bounds__(MAP_THREADS) varlen_fwd_mask_map(const VarlenParams p) {
-  int rest = blockIdx.x;
+  const MapCta cta = map_cta(p.mask_map_heads, p.num_m_blocks);
+  const int m_block = cta.unit;
   Work w;
-  w.kv_head = rest % p.mask_map_heads;
-  rest /= p.mask_map_heads;
-  const int m_block = rest % p.num_m_blocks;
-  w.seq = rest / p.num_m_blocks;
+  w.kv_head = cta.kv_head;
+  w.seq = cta.seq;
   w.split = 0;
   w.m0 = m_block * BLOCK_M;
   int t_lo = 0, t_hi = 0;

@@ -46,6 +46,16 @@ __device__ __forceinline__ TileClass evaluate_tile(const MaskMod& mask_mod, int 
   return !any_visible ? TILE_EMPTY : any_hidden ? TILE_PARTIAL : TILE_FULL;
 }
 
+// A map kernel's CTA: its KV head (0 when one slot serves all), its unit within the sequence and
+// its sequence (the grid: units per sequence x sequences x map heads, heads fastest).
+struct MapCta {
+  int kv_head, unit, seq;
+};
+__device__ __forceinline__ MapCta map_cta(int map_heads, int units_per_seq) {
+  const int rest = blockIdx.x / map_heads;
+  return {static_cast<int>(blockIdx.x % map_heads), rest % units_per_seq, rest / units_per_seq};
+}
+
 // One work unit's slot, by the whole CTA (MAP_THREADS): its tiles t in [t_lo, t_hi), each
 // bounds(t) = {pr_lo, pr_hi, k_lo, k_hi} (packed rows inclusive, keys exclusive), classified by
 // interval analysis where it is sure (exact for index arithmetic), else evaluated, a warp per
