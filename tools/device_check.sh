@@ -62,6 +62,8 @@ fi
 #   host: host time per tiny decode call beside SDPA, and the first call in a new process
 #   backward: the varlen backward rows (the issue's shapes, peers, deterministic, skewed)
 #   transformers: tokens/s of a generation and a training step beside sdpa
+#   encoder: tools/profile_encoder.py at head dims 32 and 64 (wall, host and device totals, top kernels
+#     of one padded encoder forward: sdpa, jitattn on device, jitattn host_read)
 #   torchflash: tools/device_check_torch_flash.sh (the torch flash-attention provider's and the
 #     transformers integration's tests, the first call with grad, issue 47's transformers table; with
 #     PYTORCH_DIR, torch's own attention tests with jitattn active). It may compile what the manifests
@@ -93,6 +95,11 @@ wants persistent && timeout 400 python3 tools/fwd_schedule.py --quick --head-dim
   --shapes 8x4096 32x1024 --schedules default d64:tma d128:tma d256:tma,split_kv,persistent 2>&1 \
   | tee "$OUT/fwd_persistent.log"
 wants transformers && python3 tools/bench_transformers.py --layers 2 --new 32 2>&1 | tee "$OUT/bench_transformers.log"
+if wants encoder; then
+  for heads in 12 6; do
+    PYTHONPATH=$PWD:$PWD/tools JITATTN_DISABLE_JIT=0 python3 tools/profile_encoder.py --heads $heads 2>&1 | tee -a "$OUT/profile_encoder.log"
+  done
+fi
 wants torchflash && JITATTN_DISABLE_JIT=0 tools/device_check_torch_flash.sh 2>&1 | tee "$OUT/torchflash.log"
 wants sweep && python3 tools/bench_sweep.py --quick --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log"
 # Variants (issue 46): the acceptance set beside FlexAttention, masks beside the built-in window, the
