@@ -8,7 +8,7 @@ struct Work {
   int splits;                // splits of this row block's keys (<= p.num_splits; see block_extent)
   int tile_begin, tile_end;  // this split's key tiles
   int mask_below, mask_above;  // tiles at n0 < mask_below or n0 + BLOCK_N > mask_above need a mask
-  int hook_first, hook_end;    // the mask map's run of tiles the mask hook leaves whole, or MAP_UNKNOWN
+  int hook_first, hook_end;    // tiles the mask hook leaves whole (the mask map's run, or interval analysis's)
 };
 
 // Row blocks come in bands of M_BAND (about 1024 query rows). Bands run heaviest first (the
