@@ -492,19 +492,19 @@ def test_a_call_builds_its_mask_map_only_where_it_pays_and_stays_bounded():
     the scanned side, and never past MASK_MAP_MAX_BYTES (16 bytes a work unit, per KV head when
     the mask reads h)."""
     from jitattn.variants import gallery, trace_mask_mod
-    from jitattn.varlen.spec import MASK_MAP_MAX_BYTES, MASK_MAP_MIN_TILES, VarlenSpec, mask_map_flag
+    from jitattn.varlen.spec import MASK_MAP_MAX_BYTES, MASK_MAP_MIN_TILES, VarlenSpec, mask_map_flag, mask_map_layout
 
     document = trace_mask_mod(gallery.document(torch.zeros(2, 8, dtype=torch.int32))).key_text
     flags = torch.ones(8, dtype=torch.bool)
     by_head = trace_mask_mod(lambda b, h, q, kv: flags[h] | (q >= kv)).key_text
-    spec = VarlenSpec(head_dim=128, dtype="bfloat16", mask_mod=document)
-    tile = spec.block_n
-    assert mask_map_flag(VarlenSpec(head_dim=128, dtype="bfloat16"), 10 ** 6, tile, 8, 8) == ()
+    spec = mask_map_layout(VarlenSpec(head_dim=128, dtype="bfloat16", mask_mod=document))
+    tile = VarlenSpec(head_dim=128, dtype="bfloat16", mask_mod=document).block_n
+    assert mask_map_flag(mask_map_layout(VarlenSpec(head_dim=128, dtype="bfloat16")), 10 ** 6, tile, 8, 8) == ()
     assert mask_map_flag(spec, MASK_MAP_MIN_TILES * tile + 1, tile, 256, 8) == (True,)
     assert mask_map_flag(spec, MASK_MAP_MIN_TILES * tile, tile, 256, 8) == (False,)
     units = MASK_MAP_MAX_BYTES // 16
     assert mask_map_flag(spec, 10 ** 6, tile, units, 8) == (True,)
     assert mask_map_flag(spec, 10 ** 6, tile, units + 1, 8) == (False,)
-    per_head = VarlenSpec(head_dim=128, dtype="bfloat16", mask_mod=by_head)
+    per_head = mask_map_layout(VarlenSpec(head_dim=128, dtype="bfloat16", mask_mod=by_head))
     assert mask_map_flag(per_head, 10 ** 6, tile, units // 8, 8) == (True,)
     assert mask_map_flag(per_head, 10 ** 6, tile, units // 8 + 1, 8) == (False,)

@@ -9,8 +9,6 @@ lowers such a mask to the window, intersected with the call's own; JITATTN_LOWER
 the hook (tests of the hook itself, comparisons)."""
 from __future__ import annotations
 
-import functools
-
 from jitattn.variants.tree import Variant
 
 _MAX_OFFSET = 1 << 24
@@ -66,8 +64,7 @@ def _bounds(node, lo: int | None, hi: int | None):
     return lo, hi
 
 
-@functools.lru_cache(maxsize=256)
-def _window_of_text(key_text: str, tree: tuple) -> tuple[int, int] | None:
+def _window_of_tree(tree: tuple) -> tuple[int, int] | None:
     found = _bounds(tree, None, None)
     if found is False:
         return None
@@ -77,12 +74,20 @@ def _window_of_text(key_text: str, tree: tuple) -> tuple[int, int] | None:
     return (-1 if hi is None else hi, -1 if lo is None else -lo)
 
 
+_WINDOWS: dict[str, tuple[int, int] | None] = {}  # by key text: every call asks (a dict lookup)
+
+
 def window_of(mask: Variant) -> tuple[int, int] | None:
     """The built-in window (left, right) mask_mod `mask` equals, or None (it reads tensors, b or
     h, or is not a conjunction of bounds on q_idx - kv_idx that contains the diagonal)."""
     if not isinstance(mask, Variant) or mask.kind != "mask_mod" or mask.captures:
         return None
-    return _window_of_text(mask.key_text, mask.tree)
+    key = mask.key_text
+    if key not in _WINDOWS:
+        if len(_WINDOWS) >= 1024:  # bounded: a process tracing masks without end
+            _WINDOWS.clear()
+        _WINDOWS[key] = _window_of_tree(mask.tree)
+    return _WINDOWS[key]
 
 
 def _tighter(a: int, b: int) -> int:

@@ -27,7 +27,7 @@ from jitattn.varlen import overrides
 from jitattn.varlen.checks import AuxRequest, varlen_call
 from jitattn.varlen.forward import captures_of
 from jitattn.varlen.plan import is_hopper
-from jitattn.varlen.spec import VarlenBackwardSpec, mask_map_flag
+from jitattn.varlen.spec import VarlenBackwardSpec, mask_map_flag, mask_map_layout
 
 LOG2E = 1.4426950408889634
 WINDOW_CLAMP = 1 << 30  # a window wider than any sequence: the kernels' 32-bit mask arithmetic stays in range
@@ -91,8 +91,8 @@ def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tens
     if entry is None:
         spec = VarlenBackwardSpec.for_call(head_dim, check.DTYPE_NAMES[query.dtype], *facts[2:6],
                                            score_mod=variants[0], mask_mod=variants[1])
-        entry = _kernels[facts] = (get_module(spec).ops.run.default, spec)
-    run, spec = entry
+        entry = _kernels[facts] = (get_module(spec).ops.run.default, spec, mask_map_layout(spec))
+    run, spec, map_layout = entry
 
     # The kernels write every row of dq, dk and dv (the preprocess zeroes the key rows no CTA
     # reaches: outside every sequence, past seqused_k); with no queries nothing runs.
@@ -112,7 +112,7 @@ def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tens
         extra = (num_key_blocks(max_q * (heads_q // key.shape[1]), 128),) if spec.dq_kernel else ()
         run(grad_out, grad_lse, q, k, v, out, lse, cu_seq_q, cu_seq_k, seqused_k, targets[0], targets[1], targets[2],
             num_key_blocks(max_k, spec.block_n), left, right, scale, scale * LOG2E, softcap, bool(deterministic),
-            *extra, *mask_map_flag(spec, max_q * (heads_q // key.shape[1]), spec.block_m,
+            *extra, *mask_map_flag(map_layout, max_q * (heads_q // key.shape[1]), spec.block_m,
                                    (cu_seq_q.shape[0] - 1) * num_key_blocks(max_k, spec.block_n), key.shape[1]),
             *captures_of(score_mod, mask_mod))
     for result, target in zip((dq, dk, dv), targets):

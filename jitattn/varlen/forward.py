@@ -12,7 +12,7 @@ from jitattn.variants.window import lower_window
 from jitattn.varlen import overrides
 from jitattn.varlen.checks import VarlenCall, check_varlen_values
 from jitattn.varlen.plan import DECODE_ROWS, MAX_SPLITS, MIN_SPLIT_TILES, auto_splits, is_hopper
-from jitattn.varlen.spec import VarlenSpec, mask_map_flag
+from jitattn.varlen.spec import VarlenSpec, mask_map_flag, mask_map_layout
 
 LOG2E = 1.4426950408889634
 
@@ -54,8 +54,8 @@ def forward(call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
     if entry is None:
         spec = VarlenSpec.for_call(facts[0], check.DTYPE_NAMES[query.dtype], *facts[2:8], score_mod=variants[0],
                                    mask_mod=variants[1])
-        entry = _kernels[facts] = (OpKernel(get_module(spec)), spec.block_m, spec.block_n, spec)
-    kernel, block_m, tile_n, spec = entry
+        entry = _kernels[facts] = (OpKernel(get_module(spec)), spec.block_m, spec.block_n, mask_map_layout(spec))
+    kernel, block_m, tile_n, map_layout = entry
     m_blocks = -(-max_q * group // block_m)
     # Explicit splits: every row block takes that many. Automatic: the grid has room for
     # `splits`, and each block takes as many of them as its own keys fill (counted on the device).
@@ -85,7 +85,7 @@ def forward(call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
     result, lse = kernel.run(query, key, value, metadata[0], metadata[1], metadata[2], block_table, target,
                              bad_page, group, m_blocks, splits, min_tiles, window_left, window_right,
                              args.scale * LOG2E, args.softcap, args.return_lse,
-                             *mask_map_flag(spec, call.max_k, tile_n, args.num_seqs * m_blocks, args.num_heads_kv),
+                             *mask_map_flag(map_layout, call.max_k, tile_n, args.num_seqs * m_blocks, args.num_heads_kv),
                              *captures_of(score_mod, mask_mod))
     if out is not None and target is None:
         out.copy_(result)

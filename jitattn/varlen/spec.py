@@ -93,17 +93,19 @@ MASK_MAP_MIN_TILES = 4
 MASK_MAP_MAX_BYTES = 64 << 20
 
 
-@functools.lru_cache(maxsize=256)
-def _mask_map_layout(spec) -> tuple[bool, bool]:
+def mask_map_layout(spec) -> tuple[bool, bool]:
+    """(whether `spec`'s kernels were built with a mask map, whether its slots are per KV head):
+    asked once per kernel the launchers keep, not per call."""
     params = spec.params()
     return bool(params["mask_map"]), bool(params["mask_map_per_head"])
 
 
-def mask_map_flag(spec, scanned: int, tile: int, units: int, heads_kv: int) -> tuple:
-    """The bindings' build_mask_map argument for one call of `spec`'s kernels: () when they were
-    built without a mask map, else (whether to build it): `scanned` positions on the side a unit
-    scans in tiles of `tile`, `units` work units per KV head (or for all heads)."""
-    takes, per_head = _mask_map_layout(spec)
+def mask_map_flag(layout: tuple[bool, bool], scanned: int, tile: int, units: int, heads_kv: int) -> tuple:
+    """The bindings' build_mask_map argument for one call of kernels with `layout`
+    (mask_map_layout): () when they were built without a mask map, else (whether to build it):
+    `scanned` positions on the side a unit scans in tiles of `tile`, `units` work units per KV head
+    (or for all heads)."""
+    takes, per_head = layout
     if not takes:
         return ()
     size = 16 * units * (heads_kv if per_head else 1)
