@@ -77,21 +77,29 @@ class _Emitter:
         return name
 
     def value(self, node: tuple) -> str:
+        """The C++ name (or literal) of node's value, defining it on first use."""
         key = self.key(node)
-        if key in self.names:
-            return self.names[key]
-        if key in self.defs:
-            ctype, expression = self.defs[key]
-            name = self.define(ctype, expression)
-        elif node[0] == "arg":
+        if key not in self.names:
+            if key in self.defs:
+                self.names[key] = self.define(*self.defs[key])
+            else:
+                inline = self._inline(node)
+                if inline is not None:
+                    return inline
+                self.names[key] = self.define(*self._definition(node))
+        return self.names[key]
+
+    def _inline(self, node: tuple) -> str | None:
+        """What a leaf is written as in place, or None (it gets a definition)."""
+        if node[0] == "arg":
             return node[1]  # b, h, q_idx, kv_idx: the hook's own parameters
-        elif node[0] == "const":
+        if node[0] == "const":
             return literal(const_value(node[1]))
-        else:
-            kind = self.type(node)
-            name = self.define(CTYPE[kind], self._expression(node, kind))
-        self.names[key] = name
-        return name
+        return None
+
+    def _definition(self, node: tuple) -> tuple[str, str]:
+        kind = self.type(node)
+        return CTYPE[kind], self._expression(node, kind)
 
     def _expression(self, node: tuple, kind: str) -> str:
         op = node[0]
@@ -131,18 +139,12 @@ class _Emitter:
 class _IntervalEmitter(_Emitter):
     """Emits classify's abstract values: variant.cuh's iv_* calls over the same nodes."""
 
-    def value(self, node: tuple) -> str:
-        key = self.key(node)
-        if key in self.names:
-            return self.names[key]
-        if key in self.defs:
-            ctype, expression = self.defs[key]
-        else:
-            ctype = IV_CTYPE[self.type(node)]
-            expression = self._abstract(node, self.type(node))
-        name = self.define(ctype, expression)
-        self.names[key] = name
-        return name
+    def _inline(self, node: tuple) -> None:
+        return None  # every value, leaves too, is an interval of its own
+
+    def _definition(self, node: tuple) -> tuple[str, str]:
+        kind = self.type(node)
+        return IV_CTYPE[kind], self._abstract(node, kind)
 
     def _abstract(self, node: tuple, kind: str) -> str:
         op = node[0]
