@@ -62,6 +62,23 @@ def test_bad_variant_arguments_are_refused_by_name(monkeypatch, kw, error, words
         assert word in str(info.value)
 
 
+def test_a_variant_with_fp32_positions_refuses_sequences_it_cannot_count_exactly(monkeypatch):
+    """Rendered positions are fp32 (render.FLOAT_POSITIONS_LIMIT): max_q / max_k at the limit are
+    refused by name; a table index (int arithmetic) and the limit minus one are not."""
+    from jitattn.variants.render import FLOAT_POSITIONS_LIMIT as limit
+    from jitattn.varlen import checks as varlen_checks
+
+    q = torch.randn(10, 4, 64, dtype=torch.float16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    monkeypatch.setattr(__import__("jitattn.checks").checks, "cuda_device", lambda named: torch.device("cuda", 0))
+    for name, (max_q, max_k) in (("max_q", (limit, 6)), ("max_k", (6, limit))):
+        with pytest.raises(ValueError, match=rf"{name} = {limit}: a score_mod .* float32 .* below {limit}"):
+            varlen_checks.varlen_call(q, q, q, cu, cu, max_q, max_k, score_mod=gallery.relative_position)
+    varlen_checks.varlen_call(q, q, q, cu, cu, limit - 1, limit - 1, score_mod=gallery.relative_position)
+    table = gallery.bias_table(torch.zeros(4, 9), 4)
+    varlen_checks.varlen_call(q, q, q, cu, cu, limit, limit, score_mod=table)
+
+
 def test_captured_tensors_take_part_in_the_device_check():
     q = torch.randn(4, 2, 64, dtype=torch.float16)
     cu = torch.tensor([0, 4], dtype=torch.int32)

@@ -15,7 +15,7 @@ import torch
 
 from jitattn.variants import (Variant, derivative, reference_mask, reference_score, render_mask_mod, render_score_mod,
                               trace_mask_mod, trace_score_mod)
-from jitattn.variants import interval, render
+from jitattn.variants import gallery, interval, render
 from tests.conftest import require_nvcc
 from tests.test_variants_trace import N_HEADS, N_SEQ, N_TOKENS, acceptance_set, grid
 
@@ -202,12 +202,34 @@ def test_common_subexpressions_are_emitted_once():
     assert score.count("load_float32") == 1 and score.count("isub") == 1
 
 
+def test_positions_are_fp32_arithmetic_and_a_bias_is_one_fma_on_the_logit():
+    """float(q_idx - kv_idx + c) becomes float(q_idx) - float(kv_idx) + c (no int to float
+    conversion per element), and score + g becomes fmaf(g, inv_scale, s); an index into a table
+    stays an int. The calls bound positions so that the fp32 arithmetic is exact."""
+    def score_body(fn):
+        source = render_score_mod(trace_score_mod(fn))
+        return source[source.index("float score("):source.index("float dscore(")]
+
+    relative = score_body(gallery.relative_position)
+    assert "(float(q_idx) - float(kv_idx))" in relative and "isub" not in relative
+    assert "fmaf(t0, inv_scale, s)" in relative and "s * scale" not in relative
+    shifted = score_body(lambda s, b, h, q, kv: (kv + 3 - q) * 0.5 + s)
+    assert "(float(kv_idx) - float(q_idx) + 3.0f)" in shifted and "fmaf(" in shifted
+    assert "fmaf(t0, -inv_scale, s)" in score_body(lambda s, b, h, q, kv: s - q)
+    for fn in (lambda s, b, h, q, kv: q - s, lambda s, b, h, q, kv: s * (q - kv)):
+        assert "fmaf(" not in score_body(fn) and "* inv_scale;" in score_body(fn)  # not a bias
+    assert "float(kv_idx) - float(q_idx)" not in score_body(lambda s, b, h, q, kv: s + (2 * kv - q))
+    assert render.float_positions(trace_score_mod(gallery.relative_position))
+    table = trace_score_mod(gallery.bias_table(torch.zeros(2, 9), 4))
+    assert not render.float_positions(table) and "iadd" in render_score_mod(table)
+
+
 ALLOWED_WORDS = set("""
 struct static constexpr bool ACTIVE true false const jitattn_variant Capture caps float int scale inv_scale template
 class Params __device__ __forceinline__ __host__ explicit p captures nullptr score s b h q_idx kv_idx return dscore sc
 MaskMod ScoreMod DATA_DEPENDENT USES_HEAD pack visible TileClass classify kv_head q_lo q_hi kv_lo kv_hi TILE_EMPTY TILE_FULL TILE_PARTIAL
 may_true may_false lo hi long INFINITY IInt IBool IFloat The user s score_mod mask_mod rendered by jitattn variants
-render py from the tree returns f scale dscore per element tile interval analysis sound e
+render py from the tree returns f scale dscore per element tile interval analysis sound e fmaf
 """.split()) | {f"load_{d}" for d in ("float32", "float16", "bfloat16", "int32", "int64", "bool")} | \
     set(render.INT_FUNCTIONS.values()) | set(render.FLOAT_FUNCTIONS.values()) | {"fminimum", "fmaximum"} | \
     {f"iv_{op}" for op in ("exact", "full", "is_exact", "bool", "unknown", "add", "sub", "mul", "neg", "abs", "min",

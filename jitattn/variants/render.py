@@ -8,6 +8,7 @@ here, constants are printed from their numeric value, argument names are ours.
 """
 from __future__ import annotations
 
+import functools
 import math
 import struct
 
@@ -107,6 +108,8 @@ class _Emitter:
             dtype = self.captures[node[1]][0]
             indices = "".join(", " + self.value(i) for i in node[2:])
             return f"{NS}load_{dtype}(caps[{node[1]}]{indices})"
+        if op == "float" and (positions := _float_positions(node[1])) is not None:
+            return positions
         args = [self.value(c) for c in children(node)]
         operand = self.type(node[1])
         if op == "div":
@@ -134,6 +137,61 @@ class _Emitter:
             return f"{NS}f{'minimum' if op == 'min' else 'maximum'}({args[0]}, {args[1]})"
         function = FLOAT_FUNCTIONS[op]
         return f"{function}({args[0]})" if function == "fabsf" else f"{NS}{function}({args[0]})"
+
+
+# Positions are below 2^22 (the varlen calls check max_seqlen_q / k, FLOAT_POSITIONS_LIMIT), so
+# float(q_idx), float(kv_idx) and their difference plus a constant below 2^22 are exact in fp32.
+FLOAT_POSITIONS_LIMIT = 1 << 22
+
+
+def _affine_positions(node: tuple):
+    """(coefficient of q_idx, of kv_idx, constant) of an int tree of +, -, negation, constants and
+    the two positions, or None."""
+    op = node[0]
+    if op == "arg":
+        return {"q_idx": (1, 0, 0), "kv_idx": (0, 1, 0)}.get(node[1])
+    if op == "const":
+        value = const_value(node[1])
+        return (0, 0, value) if type(value) is int else None
+    if op == "neg":
+        inner = _affine_positions(node[1])
+        return None if inner is None else tuple(-x for x in inner)
+    if op in ("add", "sub"):
+        a, b = _affine_positions(node[1]), _affine_positions(node[2])
+        if a is None or b is None:
+            return None
+        sign = 1 if op == "add" else -1
+        return tuple(x + sign * y for x, y in zip(a, b))
+    return None
+
+
+def _float_positions(node: tuple) -> str | None:
+    """float(node) as fp32 arithmetic on float(q_idx) and float(kv_idx), exact and without an int
+    to float conversion per element (the kernels' tile loops are issue-bound: float(q_idx) is one
+    per row, float(kv_idx) one per column, shared by the rows), where node is q_idx, kv_idx or
+    their difference plus a small constant; else None."""
+    affine = _affine_positions(node)
+    if affine is None:
+        return None
+    q, kv, c = affine
+    if q not in (-1, 0, 1) or kv not in (-1, 0, 1) or abs(c) >= FLOAT_POSITIONS_LIMIT or (q, kv) == (0, 0):
+        return None
+    (first, a), (second, b) = sorted(((q, "float(q_idx)"), (kv, "float(kv_idx)")), reverse=True)
+    text = a if first > 0 else f"-{a}"
+    if second:
+        text += f" {'+' if second > 0 else '-'} {b}"
+    return f"({text} + {float_literal(float(c))})" if c else f"({text})"
+
+
+@functools.lru_cache(maxsize=256)
+def _has_float_positions(tree: tuple, captures: tuple) -> bool:
+    return any(node[0] == "float" and _float_positions(node[1]) is not None for node in Shared(tree, captures).nodes)
+
+
+def float_positions(v: Variant) -> bool:
+    """Whether v's rendering computes positions in fp32 (_float_positions): its calls must keep
+    max_seqlen_q / max_seqlen_k below FLOAT_POSITIONS_LIMIT."""
+    return _has_float_positions(v.tree, v.captures)
 
 
 class _IntervalEmitter(_Emitter):
@@ -204,6 +262,18 @@ def _forward_chain(tree: tuple, root_name: str):
 SCORE_ARGS = "int b, int h, int q_idx, int kv_idx"
 
 
+def _additive_bias(v: Variant):
+    """(sign, g) where the score_mod is score + g or score - g with g free of the score (a bias:
+    relative position, ALiBi, a table), else None."""
+    tree, score = v.tree, ("arg", "score")
+    if tree[0] not in ("add", "sub") or score not in tree[1:]:
+        return None
+    term, sign = (tree[2], 1 if tree[0] == "add" else -1) if tree[1] == score else (tree[1], 1)
+    if tree[0] == "sub" and tree[2] == score:
+        return None  # g - score
+    return None if score in Shared(term, v.captures).nodes else (sign, term)
+
+
 def render_score_mod(v: Variant, qualifiers: str = "__device__ __forceinline__") -> str:
     """The ScoreMod struct for score_mod ``v``: score(s, ...) = f(scale * s) / scale and
     dscore(s, sc, ...) = f'(scale * s), sharing what it can with sc (score()'s value)."""
@@ -211,7 +281,12 @@ def render_score_mod(v: Variant, qualifiers: str = "__device__ __forceinline__")
         raise TypeError("render_score_mod takes a score_mod Variant")
     score = _Emitter(Shared(v.tree, v.captures), "t")
     score.defs[score.key(("arg", "score"))] = ("float", "s * scale")
-    result = score.value(v.tree)
+    bias = _additive_bias(v)
+    if bias is not None:  # f(x) = x +- g: score() = s +- g / scale, one FMA on the raw logit
+        sign, term = bias
+        result = f"fmaf({score.value(term)}, {'' if sign > 0 else '-'}inv_scale, s)"
+    else:
+        result = f"{score.value(v.tree)} * inv_scale"
     slope = derivative(v).tree
     dscore = _Emitter(Shared(slope, v.captures), "d")
     dscore.defs[dscore.key(("arg", "score"))] = ("float", "s * scale")
@@ -231,7 +306,7 @@ def render_score_mod(v: Variant, qualifiers: str = "__device__ __forceinline__")
         f"  {qualifiers} explicit ScoreMod(const Params& p)\n"
         f"      : {caps}scale(p.scale), inv_scale(1.f / p.scale) {{}}\n"
         f"  {qualifiers} float score(float s, {SCORE_ARGS}) const {{\n"
-        f"{_body(score)}    return {result} * inv_scale;\n"
+        f"{_body(score)}    return {result};\n"
         "  }\n"
         f"  {qualifiers} float dscore(float s, float sc, {SCORE_ARGS}) const {{\n"
         f"{_body(dscore)}    return {slope_value};\n"

@@ -138,6 +138,19 @@ _VARIANT_SIGNATURES = {"score_mod": "(score, b, h, q_idx, kv_idx) -> score",
                        "mask_mod": "(b, h, q_idx, kv_idx) -> bool"}
 
 
+def _check_positions(score_mod, mask_mod, max_q, max_k) -> None:
+    """A variant whose rendering computes positions in fp32 (exact below 2^22) refuses longer sequences."""
+    from jitattn.variants.render import FLOAT_POSITIONS_LIMIT, float_positions
+
+    for variant in (score_mod, mask_mod):
+        if variant is not None and float_positions(variant):
+            for name, value in (("max_q", max_q), ("max_k", max_k)):
+                if value >= FLOAT_POSITIONS_LIMIT:
+                    raise ValueError(f"{name} = {value}: a {variant.kind} computing with q_idx / kv_idx runs them "
+                                     f"in float32 on the GPU, exact for sequences below {FLOAT_POSITIONS_LIMIT} "
+                                     f"tokens")
+
+
 def _variants(score_mod, mask_mod, softcap: float):
     """The call's traced score_mod / mask_mod (either may be None), checked against what they do
     not compose with."""
@@ -291,6 +304,8 @@ def varlen_call(
         num_splits = check.integer("num_splits", num_splits, 1)
     softcap = _softcap(softcap)
     score_mod, mask_mod = _variants(score_mod, mask_mod, softcap)
+    if score_mod is not None or mask_mod is not None:
+        _check_positions(score_mod, mask_mod, max_q, max_k)
 
     # -- out and return_aux
     if out is not None:
