@@ -271,8 +271,8 @@ def test_no_layer_of_the_padded_path_syncs_on_the_gpu():
 def test_every_padding_mask_is_as_close_to_float64_sdpa_as_bfloat16_allows(kind, len_q):
     """Random masks of each kind (gaps included), the prompt and a decode step, GQA or not, causal
     or not, with and without a sliding window, through the kernels (bf16) against float64 sdpa on
-    the same inputs: the query rows from each row's first valid query to its last (a decode step:
-    every row), and zeros before and after."""
+    the same inputs: the query rows from each row's first valid query to its last (a decode step
+    and an encoder's prompt: every row), and zeros before and after."""
     class Attn(torch.nn.Module):
         is_causal = True
 
@@ -294,7 +294,10 @@ def test_every_padding_mask_is_as_close_to_float64_sdpa_as_bfloat16_allows(kind,
                 cols = torch.arange(len_q)
                 first = torch.where(valid_q, cols, len_q).amin(-1, keepdim=True)
                 last = torch.where(valid_q, cols, -1).amax(-1, keepdim=True)
-                inside = torch.ones_like(valid_q) if len_q == 1 else (cols >= first) & (cols <= last)
+                # a decode step and an encoder's prompt (not causal, no window) are a sequence per
+                # row: every query row attends as sdpa's
+                whole_rows = len_q == 1 or (not causal and window is None)
+                inside = torch.ones_like(valid_q) if whole_rows else (cols >= first) & (cols <= last)
                 said = f"{kind}, L_q {len_q}, {heads_kv} kv heads, causal {causal}, window {window}"
                 close(out[inside], want[inside], *TOL[BF16], said)  # the kernels' bf16 tolerances
                 assert (out[~inside] == 0).all(), said

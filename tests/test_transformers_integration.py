@@ -541,10 +541,13 @@ def test_right_padding_reads_in_place_and_matches_sdpa(calls, causal):
     with torch.no_grad():
         out, _ = jt.attention_forward(Attn(), q, k, v, mask, is_causal=causal)
     call = calls[-1]
-    assert call["k"].data_ptr() == k.data_ptr() and call["seqused_k"].tolist() == [0, 5, 0, 0, 8, 0, 0, 2, 0]
+    # causal: padding before, the run, padding after per row; bidirectional: a sequence per row
+    used = [0, 5, 0, 0, 8, 0, 0, 2, 0] if causal else [5, 8, 2]
+    assert call["k"].data_ptr() == k.data_ptr() and call["seqused_k"].tolist() == used
     want = sdpa(q, k, v, mask=mask, causal=causal)
-    torch.testing.assert_close(out[mask].double(), want[mask], rtol=0, atol=1e-5)
-    assert (out[~mask] == 0).all()
+    rows = mask if causal else torch.ones_like(mask)  # bidirectional padding rows attend as sdpa's
+    torch.testing.assert_close(out[rows].double(), want[rows], rtol=0, atol=1e-5)
+    assert (out[~rows] == 0).all()
 
 
 def test_padding_with_grad_packs_keys_and_is_differentiable(calls):
@@ -646,7 +649,7 @@ def test_every_padding_mask_matches_sdpa_with_no_host_read(calls, host_reads_rai
                 assert call["k"].data_ptr() == k.data_ptr()  # read in place
                 want = sdpa(q, k, v, mask=mask, causal=causal, window=window)
                 valid_q = mask[:, -len_q:]
-                if len_q == 1:  # one sequence per row: every row attends as sdpa's
+                if len_q == 1 or (not causal and window is None):  # one sequence per row: every row as sdpa's
                     inside = torch.ones_like(valid_q)
                 else:  # from the row's first valid query to its last
                     cols = torch.arange(len_q)
@@ -656,6 +659,31 @@ def test_every_padding_mask_matches_sdpa_with_no_host_read(calls, host_reads_rai
                 said = f"{kind}, {heads_kv} kv heads, causal {causal}, window {window}"
                 torch.testing.assert_close(out[inside].double(), want[inside], rtol=0, atol=1e-5, msg=said)
                 assert (out[~inside] == 0).all(), said
+
+
+@pytest.mark.parametrize("host_read", [False, True])
+def test_an_encoder_row_is_one_sequence_whose_padding_queries_attend_as_sdpa(calls, host_read):
+    """Bidirectional (not causal, no window: an encoder's prompt): row b is one sequence of all L_q
+    query rows over the span of its tokens, so the call has B sequences, not 3 B, and padding
+    query rows get sdpa's values (an all-padding row: zero, as sdpa's NaN turned zero)."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = qkv(batch=4, len_q=10, len_k=10, seed=3)
+    mask = random_mask("right", 4, 10, g)
+    mask[1], mask[3] = False, True
+    mask[3, 4] = False  # a gap
+    padding = "host_read" if host_read else "on_device"
+    with torch.no_grad(), jt.use_backend(jt._backend._replace(padding=padding)):
+        out, _ = jt.attention_forward(Attn(), q, k, v, mask, is_causal=False)
+    call = calls[-1]
+    rows = k.stride(0) // k.stride(2)
+    firsts = [int(row.nonzero().min()) if row.any() else 0 for row in mask]
+    spans = [int(row.nonzero().max()) + 1 - f if row.any() else 0 for row, f in zip(mask, firsts)]
+    assert call["cu_q"].tolist() == [0, 10, 20, 30, 40] and call["max_q"] == 10
+    assert call["cu_k"].tolist() == [b * rows + f for b, f in enumerate(firsts)] + [3 * rows + 10]
+    assert call["seqused_k"].tolist() == spans and call["mask_mod"] is not None  # row 3 has a gap
+    assert call["max_k"] == (max(spans) if host_read else 10)
+    torch.testing.assert_close(out.double(), sdpa(q, k, v, mask=mask, causal=False), rtol=0, atol=1e-5)
+    assert (out[1] == 0).all()
 
 
 @pytest.mark.parametrize("kind", MASK_KINDS)

@@ -17,7 +17,9 @@ and needs no flash-attn package. How a call maps (query (B, H_q, L_q, D), key/va
   (inference) with `seqused_k` and per-row starts, each row's keys the span from its first token
   to its last; queries stay in their padded rows (the mask's last L_q columns, left padding as
   transformers assumes), each row split into three sequences (padding before, the span of valid
-  queries, padding after; the padding ones have no keys, so their rows come out zero). Padding
+  queries, padding after; the padding ones have no keys, so their rows come out zero). A
+  bidirectional call (an encoder: not causal, no window) needs no positions, so each of its rows
+  is one sequence and padding query rows attend as sdpa's do. Padding
   inside a span (gaps) is masked by a mask_mod that reads the mask on the device, on every padded
   call: exact for every mask, and a row without gaps pays no load per element (its tiles classify
   FULL from one per-sequence flag, `_key_is_token`). Positions are the padded row's, as in
@@ -261,8 +263,9 @@ def _padded(query, key, value, mask, common):
         k, v = (t.transpose(1, 2).reshape(batch * len_k, t.shape[1], head_dim) for t in (key, value))
         rows = len_k
     host_read = _backend.padding == "host_read"
-    plan = _PER_FORWARD.get(mask, query.device, (len_q, len_k, rows, host_read),
-                            lambda: _mask_plan(mask, len_q, len_k, rows, query.device, host_read))
+    bidirectional = common["window_size"] == (-1, -1)
+    plan = _PER_FORWARD.get(mask, query.device, (len_q, len_k, rows, host_read, bidirectional),
+                            lambda: _mask_plan(mask, len_q, len_k, rows, query.device, host_read, bidirectional))
     if plan.key_offset:
         k, v = k[plan.key_offset:], v[plan.key_offset:]
     q = query.transpose(1, 2).reshape(batch * len_q, heads_q, head_dim)
@@ -284,7 +287,7 @@ class _MaskPlan(NamedTuple):
 
 
 def _mask_plan(mask: torch.Tensor, len_q: int, len_k: int, rows: int, device: torch.device,
-               host_read: bool = False) -> _MaskPlan:
+               host_read: bool = False, bidirectional: bool = False) -> _MaskPlan:
     """Row b's keys are the span of its tokens, first to last, in the slot starting at row b * rows
     of the keys, and the mask_mod masks the padding inside the span (gaps). One query per row
     (decode): sequence b is query row b, its keys from its first token to the mask's end (row 0's
@@ -293,7 +296,10 @@ def _mask_plan(mask: torch.Tensor, len_q: int, len_k: int, rows: int, device: to
     the rows from there to its last valid query, and the padding after; the padding ones have no
     keys, so they come out zero. Each sequence's keys end where its queries end in the padded row,
     so bottom-right alignment counts positions in the padded row, as transformers' own masks do
-    (causal and sliding windows are exact with gaps).
+    (causal and sliding windows are exact with gaps). `bidirectional` (no causal mask, no window:
+    an encoder) needs no positions: row b is one sequence, all L_q query rows over the span's
+    keys, so padding query rows attend as sdpa's do and a batch of short sentences launches a
+    third of the work units.
 
     max_q / max_k are the shapes' bounds (L_q, L_k), so nothing is read back: the kernels size their
     grid by them and stop at each sequence's own length. `host_read` (Backend.padding) reads the
@@ -316,6 +322,11 @@ def _mask_plan(mask: torch.Tensor, len_q: int, len_k: int, rows: int, device: to
         offset = int(host[2])  # the keys' view starts at row 0's first token
         return _MaskPlan(plan.cu_q, torch.cat([slot + first_k, end]) - offset, len_k - first_k, 1, len_k - int(host[1]),
                          offset, None)
+    if bidirectional:
+        plan = _MaskPlan(torch.arange(batch + 1, dtype=torch.int32, device=device) * len_q,
+                         torch.cat([slot + first_k, end]), span_k, len_q, len_k, 0,
+                         _key_is_token(count_k == span_k, _tokens(mask, first_k)))
+        return _read_back(plan, count_k, span_k) if host_read else plan
     first_q, span_q, _ = (first_k, span_k, count_k) if len_q == len_k else _runs(mask[:, -len_q:])
     first_q = torch.where(span_q > 0, first_q, len_q)  # no valid query: all of the row is padding before
     row_q = torch.arange(batch, dtype=torch.int32, device=device) * len_q
@@ -329,8 +340,11 @@ def _mask_plan(mask: torch.Tensor, len_q: int, len_k: int, rows: int, device: to
     tokens = torch.stack([no_keys, _tokens(mask, first_k), no_keys], 1).flatten(0, 1)
     whole = torch.stack([zero == 0, count_k == span_k, zero == 0], 1).flatten()  # padding sequences read no key
     plan = _MaskPlan(cu_q, cu_k, used, len_q, len_k, 0, _key_is_token(whole, tokens))
-    if not host_read:
-        return plan
+    return _read_back(plan, count_k, span_k) if host_read else plan
+
+
+def _read_back(plan: _MaskPlan, count_k: torch.Tensor, span_k: torch.Tensor) -> _MaskPlan:
+    """host_read padding: the longest span as max_k, and no mask_mod when no row has gaps (one read)."""
     host = torch.stack([(count_k != span_k).any().int(), span_k.max()]).tolist()
     return plan._replace(max_k=int(host[1]), mask_mod=plan.mask_mod if host[0] else None)
 
