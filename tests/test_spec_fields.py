@@ -94,6 +94,7 @@ def test_decode_fields_out_of_their_enum_or_range_are_refused_naming_field_and_v
     ("varlen", {"m_tiles": "2"}, "m_tiles must be an integer"),
     ("varlen", {"stages": "3"}, "stages must be an integer"),
     ("varlen", {"stages": 1}, "stages >= 2"),
+    ("varlen", {"wgmma": True, "head_dim": 64, "stages": 2}, "stages >= 3"),  # the lockstep wgmma loop
     ("varlen", {"block_n": 40}, "block_n a multiple of 16"),
     ("varlen", {"block_n": 4096}, r"block_n must be in \[0, 256\]"),
     ("varlen", {"dtype": "float8_e4m3fn"}, "dtype must be float16 or bfloat16"),

@@ -226,6 +226,9 @@ class VarlenSpec(KernelSpec):
         for name, value in zip(("warps_m", "m_tiles", "block_n", "stages"), tile):
             if getattr(self, name) == 0:
                 object.__setattr__(self, name, value)
+        if self.wgmma and not self.has_producer and self.stages < 3:  # fwd_shape.cuh's AHEAD = STAGES - 2
+            raise ValueError(f"varlen wgmma tiles without the producer warpgroup copy STAGES - 2 tiles ahead: "
+                             f"stages >= 3 (got stages={self.stages})")
         if self.decode and (self.block_n % 16 or not 32 <= self.block_n <= 256):
             raise ValueError(f"varlen decode tiles give each warp 16 keys: block_n a multiple of 16 in [32, 256] "
                              f"(got {self.block_n})")
