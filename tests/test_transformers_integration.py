@@ -214,14 +214,18 @@ def test_non_causal_and_symmetric_window(calls):
     assert calls[-1]["window"] == (2, 2)
 
 
-def test_an_inference_call_reads_the_kv_cache_in_place(calls):
-    """No grad, batch > 1: keys/values are slots of a strided view of the cache, never copied."""
-    q, k, v = qkv(batch=3, len_q=1, len_k=9)
+@pytest.mark.parametrize("batch", [3, 1])
+def test_an_inference_call_reads_the_kv_cache_in_place(calls, batch):
+    """No grad: keys/values are slots of a strided view of the cache, never copied (batch 1 too:
+    generation at batch 1 would copy the whole cache in every layer at every step)."""
+    q, k, v = qkv(batch=batch, len_q=1, len_k=9)
     with torch.no_grad():
         out, _ = jt.attention_forward(Attn(), q, k, v, None)
     call = calls[-1]
+    rows = k.stride(0) // k.stride(2)
     assert call["k"].data_ptr() == k.data_ptr() and call["v"].data_ptr() == v.data_ptr()
-    assert call["seqused_k"].tolist() == [9, 9, 9] and call["cu_k"].tolist() == [0, 18, 36, 45]
+    assert call["seqused_k"].tolist() == [9] * batch
+    assert call["cu_k"].tolist() == [b * rows for b in range(batch)] + [(batch - 1) * rows + 9]
     torch.testing.assert_close(out.double(), sdpa(q, k, v), rtol=0, atol=1e-5)
 
 

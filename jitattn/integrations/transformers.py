@@ -191,7 +191,7 @@ def _dense(query, key, value, common):
     len_k = key.shape[2]
     q = query.transpose(1, 2).reshape(batch * len_q, heads_q, head_dim)
     grad = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
-    slots = None if grad or batch == 1 else (_slots(key), _slots(value))
+    slots = None if grad else (_slots(key), _slots(value))
     if slots is not None and slots[0] is not None and slots[1] is not None and slots[0][1] == slots[1][1]:
         (k, rows), (v, _) = slots
         cu_q, cu_k, used = _dense_starts(batch, len_q, len_k, rows, query.device)
