@@ -443,8 +443,10 @@ def test_prewarm_varlen_dry_run_lists_what_calls_on_the_arch_run(capsys, no_buil
                        tma=not decode or (varlen_spec.DECODE_TMA and paged and d == 128), persistent=not decode)
             for d in (64, 128) for paged in (False, True) for decode in (False, True)]
     assert [s.tma for s in want] == [True, False, True, False, True, False, True, False]
+    # and the packed D64 prefill of short sequences: the lockstep wgmma tile, no TMA (for_call's `short`)
+    want.insert(1, VarlenSpec(64, "bfloat16", False, False, wgmma=True))
     assert [registry.spec_from_dict(d) for d in got] == want
-    assert "prewarm --dry-run: 8 specializations for 9.0" in out
+    assert "prewarm --dry-run: 9 specializations for 9.0" in out
     assert "varlen_bf16_d64_prefill_wgmma_m12x1n128s4_tma_persistent  [9.0a]" in out
     assert "varlen_bf16_d64_decode_m1x1n64s3  [9.0]" in out
 
@@ -583,7 +585,7 @@ def test_explain_takes_the_same_flags(capsys, no_builds):
                        "--arch", "9.0")
     prewarm, _ = dry_run(capsys, "prewarm", "--family", "varlen", "--head-dim", "64,128", "--dtype", "bfloat16",
                          "--arch", "9.0")
-    assert got == prewarm and out.startswith("explain --dry-run: 8 specializations")
+    assert got == prewarm and out.startswith("explain --dry-run: 9 specializations")
 
 
 @pytest.mark.compile

@@ -267,13 +267,14 @@ def test_manifests_list_the_prefill_kernels_hopper_calls_run(manifest, head_dims
 # ---------------------------------------------------------------- one rule: calls and prewarm agree
 HEAD_DIMS = range(32, 257, 16)
 ARCHS = {("9.0",): (True,), ("8.0",): (False,), ("8.0", "9.0"): (True, False)}  # targets -> the GPUs calls run on
-SHAPES = {"decode": (4, None), "one split": (4, 1), "prefill": (300, None)}  # max_q (x group 4), num_splits
+# max_q (x group 4), num_splits, the longest key sequence
+SHAPES = {"decode": (4, None, 300), "one split": (4, 1, 300), "prefill": (300, None, 300), "short": (20, None, 60)}
 
 
 def call_of(d, dtype, paged, shape, softcap):
     """A varlen_attn call (32 / 8 heads) of that head_dim, dtype, paging and shape."""
-    len_q, num_splits = SHAPES[shape]
-    args = batch([len_q, 1], [300, 40], d=d, dtype=dtype)
+    len_q, num_splits, len_k = SHAPES[shape]
+    args = batch([len_q, 1], [len_k, 40], d=d, dtype=dtype)
     if paged:
         pool = torch.zeros(8, 64, 8, d, dtype=dtype)
         args.update(key=pool, value=pool.clone(), cu_seq_k=None, max_k=320,

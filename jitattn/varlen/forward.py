@@ -11,7 +11,8 @@ from jitattn.kernel import OpKernel, call_memo
 from jitattn.variants.window import lower_window
 from jitattn.varlen import overrides
 from jitattn.varlen.checks import VarlenCall, check_varlen_values
-from jitattn.varlen.plan import DECODE_ROWS, MAX_SPLITS, MIN_SPLIT_TILES, auto_splits, is_hopper
+from jitattn.varlen.plan import (DECODE_ROWS, MAX_SPLITS, MIN_SPLIT_TILES, SHORT_KEYS, SHORT_ROWS, auto_splits,
+                                 is_hopper)
 from jitattn.varlen.spec import VarlenSpec, mask_map_flag, mask_map_layout
 
 LOG2E = 1.4426950408889634
@@ -41,7 +42,7 @@ def forward(call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
     group = args.num_heads_q // args.num_heads_kv
     hopper = is_hopper(args.device)
     # for_call's arguments in its order (head_dim, dtype, paged, soft cap, few rows, one split,
-    # sm_90, JITATTN_WGMMA there), then the override state
+    # sm_90, JITATTN_WGMMA there, short), then the override state
     # (and the variants' canonical texts)
     score_mod = call.score_mod
     # A mask_mod that is a window runs as the built-in window (jitattn/variants/window.py).
@@ -49,10 +50,11 @@ def forward(call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
                                                        env.lower_mask_windows())
     variants = (score_mod.key_text if score_mod else "", mask_mod.key_text if mask_mod else "")
     facts = (args.head_dim, query.dtype, args.paged, args.softcap > 0, max_q * group <= DECODE_ROWS,
-             args.num_splits == 1, hopper, hopper and env.wgmma_enabled(), overrides.state(), variants)
+             args.num_splits == 1, hopper, hopper and env.wgmma_enabled(),
+             max_q * group <= SHORT_ROWS and call.max_k <= SHORT_KEYS, overrides.state(), variants)
     entry = _kernels.get(facts)
     if entry is None:
-        spec = VarlenSpec.for_call(facts[0], check.DTYPE_NAMES[query.dtype], *facts[2:8], score_mod=variants[0],
+        spec = VarlenSpec.for_call(facts[0], check.DTYPE_NAMES[query.dtype], *facts[2:9], score_mod=variants[0],
                                    mask_mod=variants[1])
         entry = _kernels[facts] = (OpKernel(get_module(spec)), spec.block_m, spec.block_n, mask_map_layout(spec))
     kernel, block_m, tile_n, map_layout = entry

@@ -10,6 +10,9 @@ from jitattn.kernel import call_memo
 from jitattn.varlen.overrides import override_spec  # noqa: F401  (the public override: jitattn/varlen/overrides.py)
 
 DECODE_ROWS = 16  # decode tile shape: one 16-row MMA tile; a call's `few_rows` fact (VarlenSpec.for_call)
+# A call's `short` fact (VarlenSpec.for_call): every KV head's query rows and every sequence's keys
+# fit one tile of the lockstep wgmma kernel (128 x 64 at D64: an encoder's sentences).
+SHORT_ROWS, SHORT_KEYS = 128, 128
 MAX_SPLITS = 128  # keep in sync with the template's max_splits
 MIN_SPLIT_TILES = 2  # shortest KV split, in key tiles: shorter ones cost more to merge than they gain
 

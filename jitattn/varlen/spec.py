@@ -259,13 +259,14 @@ class VarlenSpec(KernelSpec):
 
     @classmethod
     def for_call(cls, head_dim: int, dtype: str, paged: bool, soft_cap: bool, few_rows: bool, one_split: bool,
-                 hopper: bool, wgmma_enabled: bool = True, **chosen) -> "VarlenSpec":
+                 hopper: bool, wgmma_enabled: bool = True, short: bool = False, **chosen) -> "VarlenSpec":
         """The spec a call runs: the one rule from a call's facts to its kernel.
 
         few_rows: every KV head's query rows (max_q x the GQA group) fit one 16-row tile;
         one_split: num_splits=1, which keeps the prefill shape so a sequence's result never
         depends on the rest of the batch; hopper: the call runs on sm_90; wgmma_enabled:
-        JITATTN_WGMMA. `chosen` fixes fields ahead of the rule (prewarm's named fields); the
+        JITATTN_WGMMA; short: every KV head's query rows and every sequence's keys fit
+        plan.SHORT_ROWS / SHORT_KEYS (an encoder's sentences). `chosen` fixes fields ahead of the rule (prewarm's named fields); the
         active overrides (jitattn/varlen/overrides.py) apply on top."""
         def choose(fixed: dict) -> "VarlenSpec":
             decode = fixed.get("decode", few_rows and not one_split)
@@ -274,6 +275,10 @@ class VarlenSpec(KernelSpec):
                 tma = fixed["tma"]
             elif decode:  # the paged D128 decode tile, where DECODE_TMA turns it on
                 tma = DECODE_TMA and hopper and paged and head_dim == 128
+            elif short and head_dim == 64 and not paged:
+                # a CTA per one-tile sequence: the lockstep 128 x 64 tile, without the producer's
+                # pipeline (2x faster on 68-token sentences: notes/transformers-host.md, "short")
+                tma = False
             else:  # paged producer shapes, packed keys at D64 / D128 and D256 (with split_kv)
                 tma = wgmma and (paged or head_dim <= 128 or head_dim == 256)
             split_kv = fixed.get("split_kv", wgmma and tma and head_dim == 256)
@@ -299,10 +304,11 @@ class VarlenSpec(KernelSpec):
         for paged in [fields["paged"]] if "paged" in fields else [False, True]:
             for few_rows, one_split in ((False, False), (True, False), (True, True)):
                 for hopper in _archs_facts(archs):
-                    spec = cls.for_call(fields.get("head_dim", 0), fields.get("dtype", "float16"), paged,
-                                        fields.get("soft_cap", False), few_rows, one_split, hopper, wgmma_enabled,
-                                        **base)
-                    variants.append(_fields_of(spec))
+                    for short in (False, True):
+                        spec = cls.for_call(fields.get("head_dim", 0), fields.get("dtype", "float16"), paged,
+                                            fields.get("soft_cap", False), few_rows, one_split, hopper, wgmma_enabled,
+                                            short, **base)
+                        variants.append(_fields_of(spec))
         return _unique(variants)
 
     @staticmethod
