@@ -13,7 +13,7 @@ import math
 import struct
 
 from jitattn.variants.derivative import derivative
-from jitattn.variants.tree import INT32_MIN, Shared, Variant, children, const_value
+from jitattn.variants.tree import INT32_MIN, Shared, Variant, children, const_value, linear_positions
 
 NS = "jitattn_variant::"
 CTYPE = {"float": "float", "int": "int", "bool": "bool"}
@@ -144,37 +144,16 @@ class _Emitter:
 FLOAT_POSITIONS_LIMIT = 1 << 22
 
 
-def _affine_positions(node: tuple):
-    """(coefficient of q_idx, of kv_idx, constant) of an int tree of +, -, negation, constants and
-    the two positions, or None."""
-    op = node[0]
-    if op == "arg":
-        return {"q_idx": (1, 0, 0), "kv_idx": (0, 1, 0)}.get(node[1])
-    if op == "const":
-        value = const_value(node[1])
-        return (0, 0, value) if type(value) is int else None
-    if op == "neg":
-        inner = _affine_positions(node[1])
-        return None if inner is None else tuple(-x for x in inner)
-    if op in ("add", "sub"):
-        a, b = _affine_positions(node[1]), _affine_positions(node[2])
-        if a is None or b is None:
-            return None
-        sign = 1 if op == "add" else -1
-        return tuple(x + sign * y for x, y in zip(a, b))
-    return None
-
-
 def _float_positions(node: tuple) -> str | None:
     """float(node) as fp32 arithmetic on float(q_idx) and float(kv_idx), exact and without an int
     to float conversion per element (the kernels' tile loops are issue-bound: float(q_idx) is one
     per row, float(kv_idx) one per column, shared by the rows), where node is q_idx, kv_idx or
     their difference plus a small constant; else None."""
-    affine = _affine_positions(node)
+    affine = linear_positions(node, FLOAT_POSITIONS_LIMIT - 1)
     if affine is None:
         return None
     q, kv, c = affine
-    if q not in (-1, 0, 1) or kv not in (-1, 0, 1) or abs(c) >= FLOAT_POSITIONS_LIMIT or (q, kv) == (0, 0):
+    if q not in (-1, 0, 1) or kv not in (-1, 0, 1) or (q, kv) == (0, 0):
         return None
     (first, a), (second, b) = sorted(((q, "float(q_idx)"), (kv, "float(kv_idx)")), reverse=True)
     text = a if first > 0 else f"-{a}"

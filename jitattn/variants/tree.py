@@ -293,6 +293,27 @@ def parse_tree(text: str, kind: str) -> Variant:
         raise VariantError(f"the tree is deeper than {MAX_DEPTH} levels") from None
 
 
+def linear_positions(node: tuple, max_offset: int) -> tuple[int, int, int] | None:
+    """An int node as (coefficient of q_idx, of kv_idx, constant) when it is made of +, -,
+    negation, the two positions and int constants of at most max_offset in size; else None."""
+    op = node[0]
+    if op == "arg":
+        return {"q_idx": (1, 0, 0), "kv_idx": (0, 1, 0)}.get(node[1])
+    if op == "const":
+        value = node[1]
+        return (0, 0, value) if type(value) is int and abs(value) <= max_offset else None
+    if op == "neg":
+        inner = linear_positions(node[1], max_offset)
+        return None if inner is None else tuple(-x for x in inner)
+    if op in ("add", "sub"):
+        a, b = linear_positions(node[1], max_offset), linear_positions(node[2], max_offset)
+        if a is None or b is None:
+            return None
+        sign = 1 if op == "add" else -1
+        return tuple(x + sign * y for x, y in zip(a, b))
+    return None
+
+
 def children(node: tuple) -> tuple:
     """The child nodes of a node (a load's indices; none for leaves)."""
     if node[0] == "load":

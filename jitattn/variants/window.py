@@ -9,30 +9,16 @@ lowers such a mask to the window, intersected with the call's own; JITATTN_LOWER
 the hook (tests of the hook itself, comparisons)."""
 from __future__ import annotations
 
-from jitattn.variants.tree import Variant
+from jitattn.variants.tree import Variant, linear_positions
 
 _MAX_OFFSET = 1 << 24
 _FLIP = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt", "eq": "eq"}  # comparisons, and each mirrored
 
 
 def _linear(node) -> tuple[int, int, int] | None:
-    """node as coef_q * q_idx + coef_kv * kv_idx + const over ints, or None."""
-    op = node[0]
-    if op == "arg":
-        return {"q_idx": (1, 0, 0), "kv_idx": (0, 1, 0)}.get(node[1])
-    if op == "const":  # small offsets only: q_idx + c never wraps the kernels' int32 where it would not here
-        value = node[1]
-        return (0, 0, value) if type(value) is int and abs(value) <= _MAX_OFFSET else None
-    if op == "neg":
-        inner = _linear(node[1])
-        return None if inner is None else tuple(-x for x in inner)
-    if op in ("add", "sub"):
-        a, b = _linear(node[1]), _linear(node[2])
-        if a is None or b is None:
-            return None
-        sign = 1 if op == "add" else -1
-        return tuple(x + sign * y for x, y in zip(a, b))
-    return None
+    """node as coef_q * q_idx + coef_kv * kv_idx + const over ints (small offsets only: q_idx + c
+    never wraps the kernels' int32 where it would not here), or None."""
+    return linear_positions(node, _MAX_OFFSET)
 
 
 def _bounds(node, lo: int | None, hi: int | None):
