@@ -106,11 +106,12 @@ def padded(padding: str):
     return jt.use_backend(jt.JITATTN_BACKEND._replace(padding=padding))
 
 
-def first_layer(run):
-    """run as a forward pass's first layer: the plan derived anew each call."""
+def first_layer(run, padding: str):
+    """run as a forward pass's first layer: the plan derived anew each call (use_backend forgets
+    what forward passes derived on entry)."""
     def call(*args):
-        jt._PER_FORWARD.clear()
-        return run(*args)
+        with padded(padding):
+            return run(*args)
     return call
 
 
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
         for name in tiles[d]:
             runs = dict(impls)
             if name == "default":  # what the plan costs: the first layer of a forward pass
-                runs["on_device, first layer"] = first_layer(impls["on_device"])
+                runs["on_device, first layer"] = first_layer(impls["on_device"], "on_device")
             for impl, run in runs.items():
                 padding = impl.partition(",")[0]
                 with padded(padding), override_spec("varlen", when={"head_dim": d}, **TILES[d][name]):
