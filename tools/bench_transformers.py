@@ -1,6 +1,7 @@
 """transformers models with attn_implementation="jitattn" beside "sdpa", in the same run (issue 47's table).
 
 PYTHONPATH=. python tools/bench_transformers.py [--layers 4 32] [--new 64] [--profile] [--host-read]
+    [--cases generate train encoder flash]
 
 Random weights, bf16, on the GPU. Rows:
   generate b1 / b8:   a Llama (hidden 2048, 16 query heads of 128 over 4 KV heads), greedy, 256-token
@@ -240,25 +241,33 @@ def main():
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--host-read", action="store_true",
                         help='also jitattn with Backend.padding="host_read" on the padded cases')
+    parser.add_argument("--cases", nargs="+", default=None,
+                        help="only the rows whose name holds one of these words (generate, train, encoder, "
+                             "flash: the flash-registry rows)")
     args = parser.parse_args()
+    wants = lambda name: args.cases is None or any(c in name for c in args.cases)  # noqa: E731
     jt.register()
     data = inputs(torch.Generator().manual_seed(1))
     padded = ("sdpa", "jitattn", HOST_READ) if args.host_read else ("sdpa", "jitattn")
     table = []
     for layers in args.layers:
         for name, key in (("generate b1 tok/s", "b1"), ("generate b8 padded tok/s", "b8")):
-            table.append((f"{name}, {layers} layers", compare(lambda impl, s: llama(impl, layers, s),
-                                                              lambda m: generate_rate(m, data[key], args.new),
-                                                              padded if key == "b8" else ("sdpa", "jitattn"))))
+            if wants(name):
+                table.append((f"{name}, {layers} layers", compare(lambda impl, s: llama(impl, layers, s),
+                                                                  lambda m: generate_rate(m, data[key], args.new),
+                                                                  padded if key == "b8" else ("sdpa", "jitattn"))))
     layers = args.layers[0]
-    table.append((f"train packed tok/s, {layers} layers", compare(
-        lambda impl, s: llama(impl, layers, s), lambda m: train_rate(m, data["packed"], BATCH * SEQ))))
+    if wants("train packed"):
+        table.append((f"train packed tok/s, {layers} layers", compare(
+            lambda impl, s: llama(impl, layers, s), lambda m: train_rate(m, data["packed"], BATCH * SEQ))))
     padded_tokens = int(data["padded"]["attention_mask"].sum())
-    table.append((f"train padded tok/s, {layers} layers", compare(
-        lambda impl, s: llama(impl, layers, s), lambda m: train_rate(m, data["padded"], padded_tokens), padded)))
+    if wants("train padded"):
+        table.append((f"train padded tok/s, {layers} layers", compare(
+            lambda impl, s: llama(impl, layers, s), lambda m: train_rate(m, data["padded"], padded_tokens), padded)))
     for heads in (12, 6):
-        table.append((f"encoder d{384 // heads} sentences/s", compare(
-            lambda impl, s: encoder(impl, heads, s), lambda m: encode_rate(m, data["sentences"]), padded)))
+        if wants("encoder"):
+            table.append((f"encoder d{384 // heads} sentences/s", compare(
+                lambda impl, s: encoder(impl, heads, s), lambda m: encode_rate(m, data["sentences"]), padded)))
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"bf16; Llama hidden 2048, 16/4 heads of 128; prompts {PROMPT}, {args.new} new tokens")
     extra = f" {'host_read':>10s} {'ratio':>7s}" if args.host_read else ""
@@ -268,7 +277,7 @@ def main():
         if HOST_READ in rates:
             line += f" {rates[HOST_READ]:10.0f} {rates[HOST_READ] / rates['sdpa']:6.2f}x"
         print(line)
-    flash = flash_provider_rows(data, layers, args.new)
+    flash = flash_provider_rows(data, layers, args.new) if wants("flash") else {}
     print(f"\nSDPA through torch's flash-attention registry, {layers} layers "
           "(flash: sdpa_kernel(FLASH_ATTENTION); jitattn: the same with jitattn.activate())")
     print(f"{'case':42s} {'default':>10s} {'flash':>10s} {'jitattn':>10s} {'vs flash':>9s} {'vs default':>11s}")
