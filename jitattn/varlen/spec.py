@@ -266,8 +266,9 @@ class VarlenSpec(KernelSpec):
         one_split: num_splits=1, which keeps the prefill shape so a sequence's result never
         depends on the rest of the batch; hopper: the call runs on sm_90; wgmma_enabled:
         JITATTN_WGMMA; short: every KV head's query rows and every sequence's keys fit
-        plan.SHORT_ROWS / SHORT_KEYS (an encoder's sentences). `chosen` fixes fields ahead of the rule (prewarm's named fields); the
-        active overrides (jitattn/varlen/overrides.py) apply on top."""
+        plan.SHORT_ROWS / SHORT_KEYS (an encoder's sentences). `chosen` fixes fields ahead of
+        the rule (prewarm's named fields); the active overrides (jitattn/varlen/overrides.py)
+        apply on top."""
         def choose(fixed: dict) -> "VarlenSpec":
             decode = fixed.get("decode", few_rows and not one_split)
             wgmma = fixed.get("wgmma", hopper and wgmma_enabled and cls.wgmma_fits(head_dim, decode))
@@ -277,7 +278,7 @@ class VarlenSpec(KernelSpec):
                 tma = DECODE_TMA and hopper and paged and head_dim == 128
             elif short and head_dim == 64 and not paged:
                 # a CTA per one-tile sequence: the lockstep 128 x 64 tile, without the producer's
-                # pipeline (2x faster on 68-token sentences: notes/transformers-host.md, "short")
+                # pipeline (2x on 68-token sentences: notes/transformers-host.md, "the short-call tile")
                 tma = False
             else:  # paged producer shapes, packed keys at D64 / D128 and D256 (with split_kv)
                 tma = wgmma and (paged or head_dim <= 128 or head_dim == 256)
