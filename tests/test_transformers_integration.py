@@ -665,6 +665,21 @@ def test_every_padding_mask_matches_sdpa_with_no_host_read(calls, host_reads_rai
                 assert (out[~inside] == 0).all(), said
 
 
+def test_runs_finds_each_rows_first_token_span_and_count():
+    """jt._runs against a loop over random masks of every kind and width (a slice of the columns)."""
+    g = torch.Generator().manual_seed(11)
+    columns = torch.arange(16, dtype=torch.int32)
+    for kind in MASK_KINDS:
+        for width in (1, 7, 16):
+            mask = random_mask(kind, 5, 16, g)[:, -width:]
+            first, span, count = jt._runs(mask, columns)
+            for b, row in enumerate(mask.tolist()):
+                at = [i for i, x in enumerate(row) if x]
+                want = (at[0], at[-1] - at[0] + 1, len(at)) if at else (0, 0, 0)
+                assert (int(first[b]), int(span[b]), int(count[b])) == want, (kind, width, row)
+            assert first.dtype == span.dtype == count.dtype == torch.int32
+
+
 @pytest.mark.parametrize("host_read", [False, True])
 def test_an_encoder_row_is_one_sequence_whose_padding_queries_attend_as_sdpa(calls, host_read):
     """Bidirectional (not causal, no window: an encoder's prompt): row b is one sequence of all L_q

@@ -201,27 +201,54 @@ def _dense(query, key, value, common):
     return _varlen_attn(q, k, v, cu_q, cu_k, len_q, len_k, **common)
 
 
-_DENSE_STARTS: dict = {}
+_PER_SHAPE: dict = {}
+
+
+def _per_shape(key: tuple, device: torch.device, make):
+    """make(), kept per key (shapes and device): tensors that depend on the shapes alone, made once
+    rather than per layer and step (never written after; not kept while tracing or capturing)."""
+    value = _PER_SHAPE.get(key)
+    if value is None:
+        value = make()
+        if _cacheable(device):
+            if len(_PER_SHAPE) >= 64:
+                _PER_SHAPE.pop(next(iter(_PER_SHAPE)))
+            _PER_SHAPE[key] = value
+    return value
 
 
 def _dense_starts(batch: int, len_q: int, len_k: int, rows: int, device: torch.device):
     """(cu_q, cu_k, seqused_k) of B dense rows whose keys are slots of `rows` rows (the last slot
-    ends with the tensor): made once per shape and device, not per layer and step."""
-    key = (batch, len_q, len_k, rows, device)
-    starts = _DENSE_STARTS.get(key)
-    if starts is None:
+    ends with the tensor)."""
+    def make():
         cu_q = torch.arange(0, (batch + 1) * len_q, len_q, dtype=torch.int32, device=device) if len_q \
             else torch.zeros(batch + 1, dtype=torch.int32, device=device)
         cu_k = torch.arange(0, batch * rows + 1, rows, dtype=torch.int32, device=device) if rows \
             else torch.zeros(batch + 1, dtype=torch.int32, device=device)
         cu_k[-1] = (batch - 1) * rows + len_k
-        used = torch.full((batch,), len_k, dtype=torch.int32, device=device)
-        starts = (cu_q, cu_k, used)
-        if _cacheable(device):
-            if len(_DENSE_STARTS) >= 64:
-                _DENSE_STARTS.pop(next(iter(_DENSE_STARTS)))
-            _DENSE_STARTS[key] = starts
-    return starts
+        return cu_q, cu_k, torch.full((batch,), len_k, dtype=torch.int32, device=device)
+
+    return _per_shape(("dense", batch, len_q, len_k, rows, device), device, make)
+
+
+class _Shapes(NamedTuple):
+    """The padded path's tensors that depend on the shapes alone (`_mask_shapes`)."""
+
+    slot: torch.Tensor        # (B,) row b's first key row: b * rows
+    end: torch.Tensor         # (1,) the keys' end: (B - 1) * rows + L_k
+    row_starts: torch.Tensor  # (B + 1,) b * L_q: each row's first query row, then the total
+    columns: torch.Tensor     # (L_k,) 0 .. L_k - 1
+    no_keys: torch.Tensor     # (B, L_k) False
+
+
+def _mask_shapes(batch: int, len_q: int, len_k: int, rows: int, device: torch.device) -> _Shapes:
+    def make():
+        i32 = dict(dtype=torch.int32, device=device)
+        return _Shapes(torch.arange(batch, **i32) * rows, torch.full((1,), (batch - 1) * rows + len_k, **i32),
+                       torch.arange(batch + 1, **i32) * len_q, torch.arange(len_k, **i32),
+                       torch.zeros(batch, len_k, dtype=torch.bool, device=device))
+
+    return _per_shape(("mask", batch, len_q, len_k, rows, device), device, make)
 
 
 def _cacheable(device: torch.device) -> bool:
@@ -306,14 +333,14 @@ def _mask_plan(mask: torch.Tensor, len_q: int, len_k: int, rows: int, device: to
     longest span and whether any row has gaps once instead, and leaves the mask_mod out without."""
     mask = mask.to(device=device, dtype=torch.bool)
     batch = mask.shape[0]
-    first_k, span_k, count_k = _runs(mask)
-    slot = torch.arange(batch, dtype=torch.int32, device=device) * rows
-    end = torch.full((1,), (batch - 1) * rows + len_k, dtype=torch.int32, device=device)
+    shapes = _mask_shapes(batch, len_q, len_k, rows, device)
+    slot, end = shapes.slot, shapes.end
+    first_k, span_k, count_k = _runs(mask, shapes.columns)
     if len_q == 1:
-        start = torch.cat([torch.zeros(1, dtype=torch.int32, device=device), first_k[1:]])
+        start = torch.cat([shapes.row_starts[:1], first_k[1:]])  # row 0 from its slot's start (row_starts[0] = 0)
         used = len_k - start  # to the mask's end, where the query is
-        plan = _MaskPlan(torch.arange(batch + 1, dtype=torch.int32, device=device), torch.cat([slot + start, end]),
-                         used, 1, len_k, 0, _key_is_token(count_k == used, _tokens(mask, start)))
+        plan = _MaskPlan(shapes.row_starts, torch.cat([slot + start, end]), used, 1, len_k, 0,
+                         _key_is_token(count_k == used, _tokens(mask, start, shapes.columns)))
         if not host_read:
             return plan
         host = torch.stack([(count_k != len_k - first_k).any().int(), first_k.min(), first_k[0]]).tolist()
@@ -322,22 +349,21 @@ def _mask_plan(mask: torch.Tensor, len_q: int, len_k: int, rows: int, device: to
         offset = int(host[2])  # the keys' view starts at row 0's first token
         return _MaskPlan(plan.cu_q, torch.cat([slot + first_k, end]) - offset, len_k - first_k, 1, len_k - int(host[1]),
                          offset, None)
+    tokens = _tokens(mask, first_k, shapes.columns)
     if bidirectional:
-        plan = _MaskPlan(torch.arange(batch + 1, dtype=torch.int32, device=device) * len_q,
-                         torch.cat([slot + first_k, end]), span_k, len_q, len_k, 0,
-                         _key_is_token(count_k == span_k, _tokens(mask, first_k)))
+        plan = _MaskPlan(shapes.row_starts, torch.cat([slot + first_k, end]), span_k, len_q, len_k, 0,
+                         _key_is_token(count_k == span_k, tokens))
         return _read_back(plan, count_k, span_k) if host_read else plan
-    first_q, span_q, _ = (first_k, span_k, count_k) if len_q == len_k else _runs(mask[:, -len_q:])
+    first_q, span_q, _ = (first_k, span_k, count_k) if len_q == len_k else _runs(mask[:, -len_q:], shapes.columns)
     first_q = torch.where(span_q > 0, first_q, len_q)  # no valid query: all of the row is padding before
-    row_q = torch.arange(batch, dtype=torch.int32, device=device) * len_q
+    row_q = shapes.row_starts[:-1]
     start_k = slot + first_k
     zero = torch.zeros_like(span_k)
     cu_q = torch.cat([torch.stack([row_q, row_q + first_q, row_q + first_q + span_q], 1).flatten(),
-                      torch.full((1,), batch * len_q, dtype=torch.int32, device=device)])
+                      shapes.row_starts[-1:]])
     cu_k = torch.cat([torch.stack([slot, start_k, start_k + span_k], 1).flatten(), end])
     used = torch.stack([zero, span_k, zero], 1).flatten()
-    no_keys = torch.zeros(batch, len_k, dtype=torch.bool, device=device)
-    tokens = torch.stack([no_keys, _tokens(mask, first_k), no_keys], 1).flatten(0, 1)
+    tokens = torch.stack([shapes.no_keys, tokens, shapes.no_keys], 1).flatten(0, 1)
     whole = torch.stack([zero == 0, count_k == span_k, zero == 0], 1).flatten()  # padding sequences read no key
     plan = _MaskPlan(cu_q, cu_k, used, len_q, len_k, 0, _key_is_token(whole, tokens))
     return _read_back(plan, count_k, span_k) if host_read else plan
@@ -349,22 +375,23 @@ def _read_back(plan: _MaskPlan, count_k: torch.Tensor, span_k: torch.Tensor) -> 
     return plan._replace(max_k=int(host[1]), mask_mod=plan.mask_mod if host[0] else None)
 
 
-def _runs(mask: torch.Tensor):
+def _runs(mask: torch.Tensor, columns: torch.Tensor):
     """Per row of a bool mask: (index of the first True (0 if none), span from the first True to
-    the last (0 if none), number of Trues), int32, no host sync. Span > count: gaps in the row."""
+    the last (0 if none), number of Trues), int32, no host sync. Span > count: gaps in the row.
+    columns: 0 .. at least the mask's width - 1 (int32)."""
     count = mask.sum(-1, dtype=torch.int32)
-    as_int = mask.to(torch.int8)
+    as_int = mask.view(torch.uint8)  # argmax takes no bool; a view, not a copy
     first = as_int.argmax(-1).to(torch.int32)  # the first maximum
-    last = mask.shape[-1] - 1 - as_int.flip(-1).argmax(-1).to(torch.int32)
+    last = (as_int * columns[:mask.shape[-1]]).amax(-1)  # int32
     some = count > 0
     return torch.where(some, first, 0), torch.where(some, last - first + 1, 0), count
 
 
-def _tokens(mask: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+def _tokens(mask: torch.Tensor, start: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """(B, L_k) bool: [b, j] says whether key j of row b's sequence (mask column start[b] + j) is a
-    token; columns past the mask's end are not."""
+    token; columns past the mask's end are not. columns: 0 .. L_k - 1 (int32)."""
     len_k = mask.shape[1]
-    columns = start[:, None] + torch.arange(len_k, dtype=torch.int32, device=mask.device)
+    columns = start[:, None] + columns
     inside = columns < len_k
     return torch.gather(mask, 1, columns.clamp(max=len_k - 1).long()) & inside
 
