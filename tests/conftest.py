@@ -1,4 +1,5 @@
 import os
+import shutil
 
 import pytest
 import torch
@@ -44,6 +45,17 @@ def cache_root(tmp_path, monkeypatch):
 
 def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require_host_cxx(what: str) -> str:
+    """The host C++ compiler for a test that builds native code (`what` names the test): it fails
+    under CI=true without one (CI must run it), else skips."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        if in_ci():
+            pytest.fail(f"no host C++ compiler: {what} must run in CI")
+        pytest.skip("no host C++ compiler")
+    return cxx
 
 
 def require_nvcc() -> None:

@@ -8,24 +8,19 @@ many calls. And a mask map's slot (TileRun): the span of non-empty tiles and the
 full ones, against brute force."""
 import math
 import random
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import in_ci
+from tests.conftest import require_host_cxx
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        if in_ci():
-            pytest.fail("no host C++ compiler: the tile-run test must run in CI")
-        pytest.skip("no host C++ compiler")
+    cxx = require_host_cxx("the tile-run test")
     binary = tmp_path_factory.mktemp("tile_runs") / "tile_runs"
     subprocess.run([cxx, "-O1", "-std=c++17", f"-I{REPO / 'templates' / 'varlen'}",
                     str(REPO / "tests" / "native" / "tile_runs.cpp"), "-o", str(binary)], check=True)

@@ -14,19 +14,13 @@ import torch
 from jitattn.variants import gallery, reference_mask, trace_mask_mod
 from jitattn.variants.tree import Variant
 from jitattn.variants.window import lower_window, window_of
+from tests.varlen_utils import window_visibility
 
 GRID = 48
 
 
 def _window_mask(left: int, right: int) -> torch.Tensor:
-    q = torch.arange(GRID).view(-1, 1)
-    kv = torch.arange(GRID).view(1, -1)
-    visible = torch.ones(GRID, GRID, dtype=torch.bool)
-    if left >= 0:
-        visible &= kv >= q - left
-    if right >= 0:
-        visible &= kv <= q + right
-    return visible
+    return window_visibility(GRID, GRID, left, right)
 
 
 def _mask_on_grid(v: Variant) -> torch.Tensor:

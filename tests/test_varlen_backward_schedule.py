@@ -14,14 +14,14 @@ whole grids of random batches. Checked against brute force over every (query row
 """
 import math
 import random
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import in_ci
+from tests.conftest import require_host_cxx
+from tests.varlen_utils import window_visibility
 
 REPO = Path(__file__).resolve().parent.parent
 HARNESS = REPO / "tests" / "native" / "backward_schedule.cpp"
@@ -31,11 +31,7 @@ TILES = [(128, 64), (64, 64), (128, 128), (48, 64)]  # (BLOCK_N, BLOCK_M)
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
     """(BLOCK_N, BLOCK_M) -> path of the host build of the schedule."""
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        if in_ci():
-            pytest.fail("no host C++ compiler: the schedule test must run in CI")
-        pytest.skip("no host C++ compiler")
+    cxx = require_host_cxx("the schedule test")
     out = tmp_path_factory.mktemp("schedule")
     built = {}
     for block_n, block_m in TILES:
@@ -93,22 +89,10 @@ def random_batch(rng: random.Random, block_n: int, long: bool = False):
             "n_blocks": math.ceil(max(len_k) / block_n), "kind": kind}
 
 
-def visibility(lq: int, lk: int, left: int, right: int) -> torch.Tensor:
-    """vis[r, c]: query row r sees key c (shared/spec/varlen.md)."""
-    r = torch.arange(lq)[:, None] + (lk - lq)
-    c = torch.arange(lk)[None, :]
-    vis = torch.ones(lq, lk, dtype=torch.bool)
-    if left >= 0:
-        vis &= c >= r - left
-    if right >= 0:
-        vis &= c <= r + right
-    return vis
-
-
 def expected(cfg, block_n, block_m, seq):
     """active[m][n] and fully-visible[m][n] of one sequence by brute force."""
     lq, lk, pack = cfg["len_q"][seq], cfg["len_k"][seq], cfg["pack"]
-    vis = visibility(lq, lk, cfg["left"], cfg["right"])
+    vis = window_visibility(lq, lk, cfg["left"], cfg["right"])
     rows = lq * pack
     m_tiles, n_tiles = -(-rows // block_m), -(-lk // block_n)
     active = [[False] * n_tiles for _ in range(m_tiles)]
@@ -224,7 +208,7 @@ def test_visible_rows_of_a_key_are_exactly_the_rows_that_see_it(harness, tile):
                 continue
             seq = b["seq"]
             lq, lk = cfg["len_q"][seq], cfg["len_k"][seq]
-            vis = visibility(lq, lk, cfg["left"], cfg["right"])
+            vis = window_visibility(lq, lk, cfg["left"], cfg["right"])
             assert sorted(b["keys"]) == list(range(b["n"] * block_n, (b["n"] + 1) * block_n))
             for key, (first, last) in b["keys"].items():
                 rows = [pr for pr in range(lq * pack) if key < lk and bool(vis[pr // pack, key])]

@@ -11,6 +11,7 @@ import pytest
 
 from jitattn.jit import render
 from jitattn.varlen.spec import VarlenBackwardSpec, VarlenSpec
+from tests.conftest import require_host_cxx
 
 SHARED_PARTS = {"varlen/tile_scheduler.cuh", "varlen/pipeline.cuh", "varlen/mask.cuh", "varlen/score.cuh", "varlen/hooks.cuh",
                 "varlen/packed_rows.cuh"}
@@ -103,12 +104,9 @@ def test_the_score_hooks_honour_their_contract_for_the_kernels(tmp_path, scale, 
     accuracy)."""
     import math
     import random
-    import shutil
     import subprocess
 
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler")
+    cxx = require_host_cxx("the score-hook host build")
     root = render.templates_dir()
     binary = tmp_path / "score_hook"
     harness = Path(__file__).resolve().parent / "native" / "score_hook.cpp"

@@ -260,3 +260,15 @@ def row_range(b: Batch, i: int) -> slice:
 def work(len_q, len_k) -> int:
     return sum(a * b for a, b in zip(len_q, len_k))
 
+
+def window_visibility(lq: int, lk: int, left: int, right: int) -> torch.Tensor:
+    """vis[r, c]: query row r of a sequence of lq queries over lk keys sees key c under the
+    window (left, right), bottom-right aligned (shared/spec/varlen.md)."""
+    r = torch.arange(lq)[:, None] + (lk - lq)
+    c = torch.arange(lk)[None, :]
+    vis = torch.ones(lq, lk, dtype=torch.bool)
+    if left >= 0:
+        vis &= c >= r - left
+    if right >= 0:
+        vis &= c <= r + right
+    return vis
