@@ -752,8 +752,9 @@ def test_a_padded_training_step_with_gaps_is_differentiable(calls):
 
 def test_the_mask_mod_is_traced_once_and_each_forward_pass_attaches_its_tensors(calls):
     """With jitattn.variants: the mask_mod handed to varlen_attn is the one traced Variant
-    (tokens[b, kv_idx] or a per-sequence flag), carrying this forward pass's tensors: the flags
-    (N,) and the token table (N, L_k), N = 3 sequences per row."""
+    (whole[b], or the mask read where it lies from the row's first token), carrying this forward
+    pass's tensors: the flags (N,), N = 3 sequences per row, each row's first token (B,) and the
+    mask itself (B, L_k), no table made from it."""
     variants = pytest.importorskip("jitattn.variants")
     q, k, v = qkv(batch=2, len_q=6, len_k=6)
     masks = [torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 0, 1, 1, 1]], dtype=torch.bool),
@@ -765,9 +766,9 @@ def test_the_mask_mod_is_traced_once_and_each_forward_pass_attaches_its_tensors(
                 jt.attention_forward(Attn(), q, k, v, mask)
                 seen.append(calls[-1]["mask_mod"])
     assert all(isinstance(m, variants.Variant) and m.kind == "mask_mod" for m in seen)
-    assert len({m.key_text for m in seen}) == 1 and seen[0].captures == (("bool", 1), ("bool", 2))
+    assert len({m.key_text for m in seen}) == 1
+    assert seen[0].captures == (("bool", 1), ("int32", 1), ("bool", 2))
     assert seen[0] is seen[1] and seen[2] is seen[3] and seen[0].tensors[1] is not seen[2].tensors[1]
-    whole, tokens = seen[0].tensors
+    whole, first, read = seen[0].tensors
     assert whole.tolist() == [True, True, True, True, False, True]  # row 1 has a gap
-    assert tokens.shape == (6, 6) and tokens[1].tolist() == [True] * 4 + [False] * 2  # row 0 from its first token
-    assert tokens[4].tolist() == [True, True, False, True, True, True]
+    assert first.tolist() == [2, 0] and read.tolist() == masks[0].tolist()

@@ -12,12 +12,13 @@ Random weights, bf16, on the GPU. Rows:
   train padded:       the same 8 sequences cut to 1024 down to 576 tokens, right-padded, with the mask.
   encoder d32 / d64:  a BERT-like encoder (6 layers, hidden 384, 12 heads of 32 / 6 heads of 64),
                       256 right-padded sentences of 8 to 68 tokens; sentences/s.
-Each case is timed as the median of a few runs after a warm-up, with sdpa and jitattn alternating
-in one process. Then SDPA's flash path (sdpa_kernel(FLASH_ATTENTION)) with torch's own kernels
+Each case builds every implementation's model (same weights), then times them in three interleaved
+rounds (sdpa, jitattn, sdpa, ...; each a warm-up and a few runs) and keeps each one's median. Then SDPA's flash path (sdpa_kernel(FLASH_ATTENTION)) with torch's own kernels
 beside the same with jitattn active as torch's flash provider (jitattn.activate()), and SDPA's
 default choice, for the cases SDPA can send to flash (no mask): generate b1 and a dense train step.
---profile prints the host-side profile of one batch-8 decode step per implementation, and the host
-and device totals of one encoder forward (d32).
+--profile prints the host-side profile of one decode step at batch 1 and 8 per implementation, and the host
+and device totals of one encoder forward (d32), and a cProfile (Python time between the ops) of
+batch-1 decode steps and encoder forwards (d64).
 --host-read adds a column to the padded cases (generate b8, train padded, the encoders): jitattn
 with Backend.padding="host_read", the padded path before issue 47 item 2 (one host read per
 forward pass, tight max_k, no mask_mod without gaps), beside the default "on_device" (no host
@@ -106,7 +107,7 @@ def generate_rate(m, batch, new):
     m.eval()
     with torch.no_grad():
         seconds = timed(lambda: m.generate(**batch, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                           pad_token_id=0), 2)
+                                           pad_token_id=0), 1)
     return batch["input_ids"].shape[0] * new / seconds
 
 
@@ -137,17 +138,22 @@ def padding(impl: str):
     return jt.use_backend(jt.JITATTN_BACKEND._replace(padding=how))
 
 
-def compare(make, case, impls=("sdpa", "jitattn")):
-    """{impl: rate} for one case, each implementation on the same weights."""
-    rates, state = {}, None
+def compare(make, case, impls=("sdpa", "jitattn"), rounds: int = 3):
+    """{impl: rate} for one case: each implementation on the same weights, all built first, then
+    timed in interleaved rounds (sdpa, jitattn, sdpa, ...) and the median kept, so a drift of the
+    machine's clocks or host load reaches every implementation alike."""
+    models, state = {}, None
     for impl in impls:
-        m = make(impl.partition(":")[0], state)
-        state = state or m.state_dict()
-        with padding(impl):
-            rates[impl] = case(m)
-        del m
-        torch.cuda.empty_cache()
-    return rates
+        models[impl] = make(impl.partition(":")[0], state)
+        state = state or models[impl].state_dict()
+    rates = {impl: [] for impl in impls}
+    for _ in range(rounds):
+        for impl in impls:
+            with padding(impl):
+                rates[impl].append(case(models[impl]))
+    del models
+    torch.cuda.empty_cache()
+    return {impl: statistics.median(r) for impl, r in rates.items()}
 
 
 def flash_provider_rows(data, layers, new):
@@ -184,27 +190,91 @@ def flash_provider_rows(data, layers, new):
 
 
 def profile_decode(data, layers):
-    """Host time per op of one batch-8 decode step (the prompt's KV cache already filled)."""
+    """Host time per op of one decode step at batch 1 and batch 8 (the prompt's KV cache already filled)."""
     from torch.profiler import ProfilerActivity, profile
 
     state = None
     for impl in ("sdpa", "jitattn"):
         m = llama(impl, layers, state).eval()
         state = state or m.state_dict()
-        batch = data["b8"]
-        with torch.no_grad():
-            out = m(**batch, use_cache=True)
-            nxt = out.logits[:, -1:].argmax(-1)
-            mask = torch.cat([batch["attention_mask"], torch.ones_like(nxt)], 1)
-            for _ in range(3):  # warm
-                m(nxt, attention_mask=mask, past_key_values=out.past_key_values, use_cache=True)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                m(nxt, attention_mask=mask, past_key_values=out.past_key_values, use_cache=True)
+        for key in ("b1", "b8"):
+            batch = data[key]
+            with torch.no_grad():
+                out = m(**batch, use_cache=True)
+                nxt = out.logits[:, -1:].argmax(-1)
+                step = {"past_key_values": out.past_key_values, "use_cache": True}
+                if "attention_mask" in batch:
+                    step["attention_mask"] = torch.cat([batch["attention_mask"], torch.ones_like(nxt)], 1)
+                for _ in range(3):  # warm
+                    m(nxt, **step)
                 torch.cuda.synchronize()
-        print(f"\n-- one decode step, batch 8, {layers} layers, {impl}: host time by op")
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20))
+                start = time.perf_counter()
+                for _ in range(10):
+                    m(nxt, **step)
+                torch.cuda.synchronize()
+                wall = (time.perf_counter() - start) / 10
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    m(nxt, **step)
+                    torch.cuda.synchronize()
+            events = prof.key_averages()
+            device = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3
+            print(f"\n-- one decode step, {key}, {layers} layers, {impl}: {wall * 1e3:.2f} ms wall (unprofiled), "
+                  f"{device:.3f} ms device; host time by op, then device time by kernel")
+            print(events.table(sort_by="cpu_time_total", row_limit=25))
+            print(events.table(sort_by="self_device_time_total", row_limit=12))
+            del out
+        del m
+        torch.cuda.empty_cache()
+
+
+def profile_python(data, layers, impls):
+    """Python-level host profile (cProfile: the time between torch ops, which torch.profiler does
+    not count) of 20 batch-1 decode steps and of 10 encoder forwards (d64), per implementation."""
+    import cProfile
+    import pstats
+
+    def show(label, prof):
+        stats = pstats.Stats(prof)
+        print(f"\n-- cProfile, {label}: {stats.total_tt * 1e3:.1f} ms in all")
+        stats.sort_stats("tottime").print_stats(18)
+        stats.sort_stats("cumulative").print_stats("jitattn", 18)
+
+    state = None
+    for impl in ("sdpa", "jitattn"):
+        m = llama(impl, layers, state).eval()
+        state = state or m.state_dict()
+        with torch.no_grad():
+            out = m(**data["b1"], use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+            step = {"past_key_values": out.past_key_values, "use_cache": True}
+            for _ in range(3):
+                m(nxt, **step)
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(20):
+                m(nxt, **step)
+            torch.cuda.synchronize()
+            prof.disable()
+        show(f"20 decode steps, b1, {layers} layers, {impl}", prof)
         del m, out
+        torch.cuda.empty_cache()
+    state = None
+    for impl in impls:
+        m = encoder(impl.partition(":")[0], 6, state).eval()
+        state = state or m.state_dict()
+        with torch.no_grad(), padding(impl):
+            for _ in range(3):
+                m(**data["sentences"])
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(10):
+                m(**data["sentences"])
+            torch.cuda.synchronize()
+            prof.disable()
+        show(f"10 encoder forwards, d64, {impl}", prof)
+        del m
         torch.cuda.empty_cache()
 
 
@@ -287,6 +357,7 @@ def main():
     if args.profile:
         profile_decode(data, layers)
         profile_encoder(data, padded)
+        profile_python(data, layers, padded)
 
 
 if __name__ == "__main__":

@@ -68,7 +68,8 @@ def register(name: str = NAME) -> str:
                           "install it with `pip install 'jitattn[transformers]'`") from exc
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
-    _padding_variant()  # traced here, not inside a model's first forward pass (which torch.compile may trace)
+    for per_row in PER_ROW:  # traced here, not inside a model's first forward pass (which torch.compile may trace)
+        _padding_variant(per_row)
     return name
 
 
@@ -238,15 +239,13 @@ class _Shapes(NamedTuple):
     end: torch.Tensor         # (1,) the keys' end: (B - 1) * rows + L_k
     row_starts: torch.Tensor  # (B + 1,) b * L_q: each row's first query row, then the total
     columns: torch.Tensor     # (L_k,) 0 .. L_k - 1
-    no_keys: torch.Tensor     # (B, L_k) False
 
 
 def _mask_shapes(batch: int, len_q: int, len_k: int, rows: int, device: torch.device) -> _Shapes:
     def make():
         i32 = dict(dtype=torch.int32, device=device)
         return _Shapes(torch.arange(batch, **i32) * rows, torch.full((1,), (batch - 1) * rows + len_k, **i32),
-                       torch.arange(batch + 1, **i32) * len_q, torch.arange(len_k, **i32),
-                       torch.zeros(batch, len_k, dtype=torch.bool, device=device))
+                       torch.arange(batch + 1, **i32) * len_q, torch.arange(len_k, **i32))
 
     return _per_shape(("mask", batch, len_q, len_k, rows, device), device, make)
 
@@ -301,6 +300,9 @@ def _padded(query, key, value, mask, common):
                         **variant)
 
 
+PER_ROW = (1, 3)  # sequences per padded row: one (decode, bidirectional) or three (padding, span, padding)
+
+
 class _MaskPlan(NamedTuple):
     """A padding mask as varlen arguments over padded query rows and keys read in place."""
 
@@ -340,7 +342,7 @@ def _mask_plan(mask: torch.Tensor, len_q: int, len_k: int, rows: int, device: to
         start = torch.cat([shapes.row_starts[:1], first_k[1:]])  # row 0 from its slot's start (row_starts[0] = 0)
         used = len_k - start  # to the mask's end, where the query is
         plan = _MaskPlan(shapes.row_starts, torch.cat([slot + start, end]), used, 1, len_k, 0,
-                         _key_is_token(count_k == used, _tokens(mask, start, shapes.columns)))
+                         _key_is_token(count_k == used, mask, start, 1))
         if not host_read:
             return plan
         host = torch.stack([(count_k != len_k - first_k).any().int(), first_k.min(), first_k[0]]).tolist()
@@ -349,10 +351,9 @@ def _mask_plan(mask: torch.Tensor, len_q: int, len_k: int, rows: int, device: to
         offset = int(host[2])  # the keys' view starts at row 0's first token
         return _MaskPlan(plan.cu_q, torch.cat([slot + first_k, end]) - offset, len_k - first_k, 1, len_k - int(host[1]),
                          offset, None)
-    tokens = _tokens(mask, first_k, shapes.columns)
     if bidirectional:
         plan = _MaskPlan(shapes.row_starts, torch.cat([slot + first_k, end]), span_k, len_q, len_k, 0,
-                         _key_is_token(count_k == span_k, tokens))
+                         _key_is_token(count_k == span_k, mask, first_k, 1))
         return _read_back(plan, count_k, span_k) if host_read else plan
     first_q, span_q, _ = (first_k, span_k, count_k) if len_q == len_k else _runs(mask[:, -len_q:], shapes.columns)
     first_q = torch.where(span_q > 0, first_q, len_q)  # no valid query: all of the row is padding before
@@ -363,9 +364,8 @@ def _mask_plan(mask: torch.Tensor, len_q: int, len_k: int, rows: int, device: to
                       shapes.row_starts[-1:]])
     cu_k = torch.cat([torch.stack([slot, start_k, start_k + span_k], 1).flatten(), end])
     used = torch.stack([zero, span_k, zero], 1).flatten()
-    tokens = torch.stack([shapes.no_keys, tokens, shapes.no_keys], 1).flatten(0, 1)
     whole = torch.stack([zero == 0, count_k == span_k, zero == 0], 1).flatten()  # padding sequences read no key
-    plan = _MaskPlan(cu_q, cu_k, used, len_q, len_k, 0, _key_is_token(whole, tokens))
+    plan = _MaskPlan(cu_q, cu_k, used, len_q, len_k, 0, _key_is_token(whole, mask, first_k, 3))
     return _read_back(plan, count_k, span_k) if host_read else plan
 
 
@@ -387,40 +387,38 @@ def _runs(mask: torch.Tensor, columns: torch.Tensor):
     return torch.where(some, first, 0), torch.where(some, last - first + 1, 0), count
 
 
-def _tokens(mask: torch.Tensor, start: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-    """(B, L_k) bool: [b, j] says whether key j of row b's sequence (mask column start[b] + j) is a
-    token; columns past the mask's end are not. columns: 0 .. L_k - 1 (int32)."""
-    len_k = mask.shape[1]
-    columns = start[:, None] + columns
-    inside = columns < len_k
-    return torch.gather(mask, 1, columns.clamp(max=len_k - 1).long()) & inside
-
-
-def _key_is_token(whole: torch.Tensor, tokens: torch.Tensor):
-    """The mask_mod of a padded call over N packed sequences: key kv_idx of sequence b is visible
-    iff tokens[b, kv_idx] (`_tokens`), or whole[b] says every key the sequence reads is a token.
+def _key_is_token(whole: torch.Tensor, mask: torch.Tensor, first: torch.Tensor, per_row: int):
+    """The mask_mod of a padded call over N packed sequences, `per_row` of them per batch row of
+    the (B, L_k) bool mask, the keys of row r's sequences starting at its column first[r]: key
+    kv_idx of sequence b is visible iff whole[b] says every key the sequence reads is a token, or
+    mask[r, first[r] + kv_idx] is (r = b // per_row; a read past the mask's end is False).
 
     whole[b] comes first so that the kernels' tile classification, which reads a capture at an
     exact index (b is fixed per tile), proves every tile of a sequence without gaps FULL: only
-    sequences with gaps pay a load per element. Traced once (`_padding_variant`); each forward pass
+    sequences with gaps pay a load per element. The mask is read where it lies (no token table
+    made per forward pass). Traced once per `per_row` (`_padding_variant`); each forward pass
     attaches its own tensors (Variant.bind), so no call traces."""
-    return _padding_variant().bind((whole, tokens))
+    return _padding_variant(per_row).bind((whole, first, mask))  # the order the trace captured them in
 
 
-def _key_is_token_function(whole: torch.Tensor, tokens: torch.Tensor):
+def _key_is_token_function(whole: torch.Tensor, mask: torch.Tensor, first: torch.Tensor, per_row: int):
     def key_is_token(b, h, q_idx, kv_idx):
-        return whole[b] | tokens[b, kv_idx]
+        whole_b = whole[b]  # captured in this order: whole, first, mask
+        row = b if per_row == 1 else b // per_row
+        column = first[row] + kv_idx
+        return whole_b | mask[row, column]
 
     return key_is_token
 
 
 @functools.cache
-def _padding_variant():
-    """`_key_is_token`'s traced Variant (placeholder tensors: (N,) and (N, L_k) bool)."""
+def _padding_variant(per_row: int):
+    """`_key_is_token`'s traced Variant (placeholder tensors: (N,) bool, (B, L_k) bool, (B,) int32)."""
     from jitattn.variants import trace_mask_mod
 
-    placeholders = torch.zeros(1, dtype=torch.bool), torch.zeros(1, 1, dtype=torch.bool)
-    return trace_mask_mod(_key_is_token_function(*placeholders))
+    placeholders = (torch.zeros(1, dtype=torch.bool), torch.zeros(1, 1, dtype=torch.bool),
+                    torch.zeros(1, dtype=torch.int32))
+    return trace_mask_mod(_key_is_token_function(*placeholders, per_row))
 
 
 class _PerForward:
