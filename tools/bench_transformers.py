@@ -218,8 +218,9 @@ def profile_decode(data, layers):
                     torch.cuda.synchronize()
             events = prof.key_averages()
             device = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3
+            waited = sum(e.self_cpu_time_total for e in events if e.key in SYNC_LIKE) / 1e3
             print(f"\n-- one decode step, {key}, {layers} layers, {impl}: {wall * 1e3:.2f} ms wall (unprofiled), "
-                  f"{device:.3f} ms device; host time by op, then device time by kernel")
+                  f"{device:.3f} ms device, {waited:.2f} ms host waits; host time by op, then device time by kernel")
             print(events.table(sort_by="cpu_time_total", row_limit=25))
             print(events.table(sort_by="self_device_time_total", row_limit=12))
             del out
@@ -278,6 +279,10 @@ def profile_python(data, layers, impls):
         torch.cuda.empty_cache()
 
 
+SYNC_LIKE = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::item",
+             "aten::_local_scalar_dense")
+
+
 def profile_encoder(data, impls):
     """Host (self CPU) and device (self CUDA) totals of one encoder forward (d32, 256 sentences)."""
     from torch.profiler import ProfilerActivity, profile
@@ -291,15 +296,23 @@ def profile_encoder(data, impls):
             for _ in range(3):  # warm
                 m(**data["sentences"])
             torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(10):
+                m(**data["sentences"])
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - start) / 10
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 m(**data["sentences"])
                 torch.cuda.synchronize()
         events = prof.key_averages()
         host = sum(e.self_cpu_time_total for e in events) / 1e3
         device = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events) / 1e3
-        syncs = sum(e.count for e in events if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
-                                                          "cudaMemcpyAsync", "aten::item", "aten::_local_scalar_dense"))
-        print(f"{impl:20s} host {host:8.2f} ms  device {device:8.2f} ms  sync-like calls {syncs}")
+        waits = [e for e in events if e.key in SYNC_LIKE]
+        syncs, waited = sum(e.count for e in waits), sum(e.self_cpu_time_total for e in waits) / 1e3
+        print(f"{impl:20s} wall {wall * 1e3:6.2f} ms (unprofiled)  host {host:8.2f} ms  device {device:8.2f} ms  "
+              f"sync-like calls {syncs} "
+              f"({waited:.2f} ms in them: the host waiting for the device)")
+        print(events.table(sort_by="self_device_time_total", row_limit=10))
         del m
         torch.cuda.empty_cache()
 
