@@ -224,8 +224,37 @@ def test_positions_are_fp32_arithmetic_and_a_bias_is_one_fma_on_the_logit():
     assert not render.float_positions(table) and "iadd" in render_score_mod(table)
 
 
+def test_a_bias_affine_in_kv_idx_renders_its_slope_per_row_and_others_none():
+    """kv_affine: score +- g with g = A * kv_idx + (free of kv_idx) gives (sign, A), which the
+    forward's tile loop uses as one FMA per logit (templates/varlen/fwd_softmax.cuh); anything
+    else (a table read at kv_idx, |q - kv|, a product with the score) is not affine."""
+    slopes = torch.rand(4)
+    table = torch.rand(4, 9)
+    cases = {
+        gallery.relative_position: (1, ("const", -1.0)),
+        (lambda s, b, h, q, kv: s + slopes[h] * (kv - q)): (1, ("load", 0, ("arg", "h"))),
+        (lambda s, b, h, q, kv: s - slopes[h] * (q - kv) / 2): (-1, ("div", ("neg", ("load", 0, ("arg", "h"))),
+                                                                     ("const", 2.0))),
+        (lambda s, b, h, q, kv: s + (kv - q) * slopes[h] * 0.5): (1, ("mul", ("load", 0, ("arg", "h")), ("const", 0.5))),
+        (lambda s, b, h, q, kv: s + (2 * kv - q) * slopes[h]): None,  # kv_idx only through +-, as _float_positions
+        (lambda s, b, h, q, kv: s + slopes[h] * q): None,  # free of kv_idx: nothing to factor
+        (lambda s, b, h, q, kv: s + table[h, q - kv + 4]): None,
+        (lambda s, b, h, q, kv: s - slopes[h] * (q - kv).abs()): None,
+        (lambda s, b, h, q, kv: s * (q - kv)): None,
+        (lambda s, b, h, q, kv: s + (kv - q) * (kv - q)): None,
+    }
+    for fn, want in cases.items():
+        v = trace_score_mod(fn)
+        assert render.kv_affine(v) == want, v.key_text
+        source = render_score_mod(v)
+        assert f"KV_AFFINE = {'true' if want else 'false'};" in source
+    alibi = render_score_mod(trace_score_mod(lambda s, b, h, q, kv: s - slopes[h] * (q - kv)))
+    slope_body = alibi[alibi.index("kv_slope("):]
+    assert "load_float32(caps[0], h)" in slope_body and "kv_idx" not in slope_body and "-inv_scale" in slope_body
+
+
 ALLOWED_WORDS = set("""
-struct static constexpr bool ACTIVE true false const jitattn_variant Capture caps float int scale inv_scale template
+struct static constexpr bool ACTIVE KV_AFFINE kv_slope true false const jitattn_variant Capture caps float int scale inv_scale template
 class Params __device__ __forceinline__ __host__ explicit p captures nullptr score s b h q_idx kv_idx return dscore sc
 MaskMod ScoreMod DATA_DEPENDENT USES_HEAD pack visible TileClass classify kv_head q_lo q_hi kv_lo kv_hi TILE_EMPTY TILE_FULL TILE_PARTIAL
 may_true may_false lo hi long INFINITY IInt IBool IFloat The user s score_mod mask_mod rendered by jitattn variants
@@ -249,7 +278,7 @@ def test_rendered_code_uses_only_jitattns_own_words_on_random_trees():
             assert f"// {v.digest}: " in source and len(comments) == 2
             code = "\n".join(line for line in source.splitlines() if not line.startswith("//"))
             words = set(re.findall(r"[A-Za-z_]\w*", code))
-            stray = {w for w in words - ALLOWED_WORDS if not re.fullmatch(r"[tdv]\d+|f|e\d*", w)}
+            stray = {w for w in words - ALLOWED_WORDS if not re.fullmatch(r"[tdva]\d+|f|e\d*", w)}
             assert not stray, (stray, v.key_text)
 
 

@@ -253,6 +253,76 @@ def _additive_bias(v: Variant):
     return None if score in Shared(term, v.captures).nodes else (sign, term)
 
 
+_KV = ("arg", "kv_idx")
+_ONE, _ZERO = ("const", 1.0), ("const", 0.0)
+
+
+def _kv_slope(node: tuple, captures: tuple) -> tuple | None:
+    """A float node A free of kv_idx with node = A * kv_idx + (a part free of kv_idx), read off
+    the tree (A = _ZERO when node is free of kv_idx); None when node is not affine in kv_idx. kv_idx
+    enters only through float(i * q_idx + j * kv_idx + c) (_float_positions' exact form)."""
+    if _KV not in Shared(node, captures).nodes:
+        return _ZERO
+    op = node[0]
+    if op == "float":
+        affine = linear_positions(node[1], FLOAT_POSITIONS_LIMIT - 1)
+        return None if affine is None else ("const", float(affine[1]))
+    if op == "neg":
+        inner = _kv_slope(node[1], captures)
+        return None if inner is None else _negate(inner)
+    if op in ("add", "sub"):
+        a, b = _kv_slope(node[1], captures), _kv_slope(node[2], captures)
+        if a is None or b is None:
+            return None
+        if b == _ZERO:
+            return a
+        b = b if op == "add" else _negate(b)
+        return b if a == _ZERO else ("add", a, b)
+    if op == "mul":
+        x, y = node[1], node[2]
+        if _KV in Shared(x, captures).nodes and _KV in Shared(y, captures).nodes:
+            return None  # kv_idx * kv_idx
+        varying, factor = (x, y) if _KV in Shared(x, captures).nodes else (y, x)
+        inner = _kv_slope(varying, captures)
+        if inner is None:
+            return None
+        return _times(inner, factor)
+    if op == "div" and _KV not in Shared(node[2], captures).nodes:
+        inner = _kv_slope(node[1], captures)
+        return None if inner is None else inner if inner == _ZERO else ("div", inner, node[2])
+    return None
+
+
+def _negate(node: tuple) -> tuple:
+    if node[0] == "const":
+        return ("const", -float(const_value(node[1])))
+    return node[1] if node[0] == "neg" else ("neg", node)
+
+
+def _times(a: tuple, b: tuple) -> tuple:
+    for x, y in ((a, b), (b, a)):
+        if x == _ZERO:
+            return _ZERO
+        if x == _ONE:
+            return y
+        if x == ("const", -1.0):
+            return _negate(y)
+    return ("mul", a, b)
+
+
+def kv_affine(v: Variant) -> tuple | None:
+    """(sign, A) when score_mod v is score +- g with g = A * kv_idx + (a part free of kv_idx),
+    A free of kv_idx and not 0 (ALiBi, relative position): the forward then adds
+    sign * A * (kv_idx - origin) per logit and leaves the rest, the same for every key of a query
+    row, out of the softmax (the epilogue adds it to lse: templates/varlen/fwd_softmax.cuh).
+    Else None."""
+    bias = _additive_bias(v)
+    if bias is None:
+        return None
+    slope = _kv_slope(bias[1], v.captures)
+    return None if slope is None or slope == _ZERO else (bias[0], slope)
+
+
 def render_score_mod(v: Variant, qualifiers: str = "__device__ __forceinline__") -> str:
     """The ScoreMod struct for score_mod ``v``: score(s, ...) = f(scale * s) / scale and
     dscore(s, sc, ...) = f'(scale * s), sharing what it can with sc (score()'s value)."""
@@ -266,6 +336,10 @@ def render_score_mod(v: Variant, qualifiers: str = "__device__ __forceinline__")
         result = f"fmaf({score.value(term)}, {'' if sign > 0 else '-'}inv_scale, s)"
     else:
         result = f"{score.value(v.tree)} * inv_scale"
+    affine = kv_affine(v)
+    kv_slope = _Emitter(Shared(affine[1] if affine else _ZERO, v.captures), "a")
+    kv_slope_value = (f"{kv_slope.value(affine[1])} * {'' if affine[0] > 0 else '-'}inv_scale" if affine
+                      else "0.f")
     slope = derivative(v).tree
     dscore = _Emitter(Shared(slope, v.captures), "d")
     dscore.defs[dscore.key(("arg", "score"))] = ("float", "s * scale")
@@ -279,6 +353,7 @@ def render_score_mod(v: Variant, qualifiers: str = "__device__ __forceinline__")
         f"// {v.digest}: score() returns f(scale * s) / scale, dscore() f'(scale * s).\n"
         "struct ScoreMod {\n"
         "  static constexpr bool ACTIVE = true;\n"
+        f"  static constexpr bool KV_AFFINE = {literal(affine is not None)};\n"
         "  const jitattn_variant::Capture* caps;\n"
         "  float scale, inv_scale;\n"
         "  template <class Params>\n"
@@ -289,6 +364,9 @@ def render_score_mod(v: Variant, qualifiers: str = "__device__ __forceinline__")
         "  }\n"
         f"  {qualifiers} float dscore(float s, float sc, {SCORE_ARGS}) const {{\n"
         f"{_body(dscore)}    return {slope_value};\n"
+        "  }\n"
+        f"  {qualifiers} float kv_slope(int b, int h, int q_idx) const {{\n"
+        f"{_body(kv_slope)}    return {kv_slope_value};\n"
         "  }\n"
         "};\n")
 

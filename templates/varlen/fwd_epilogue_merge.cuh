@@ -45,9 +45,9 @@
     const float inv = total > 0.f ? 1.f / total : 0.f;  // no visible key: zeros, lse = -inf
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] *= inv;
-    const float lse2 = total > 0.f ? base + log2f(total) : -INFINITY;
     const TokenHead th = packed_row(pr, p.pack, w.q_start, w.kv_head);
     const int token = th.token, head = th.head;
+    const float lse2 = full_lse2(p, w, head, token, total > 0.f ? base + log2f(total) : -INFINITY, sl2);
     if (w.splits == 1) {
       T* out = static_cast<T*>(p.out) + token * p.out_stride_token + head * p.out_stride_head + chunk * 8;
       store_floats<T, 8>(out, acc);

@@ -28,7 +28,7 @@
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         const float inv = sum > 0.f ? 1.f / sum : 0.f;  // no visible key: zeros, lse = -inf
-        const float lse2 = sum > 0.f ? row_max[mt][h] * sl2 + log2f(sum) : -INFINITY;
+        const float row_lse2 = sum > 0.f ? row_max[mt][h] * sl2 + log2f(sum) : -INFINITY;
         const int pr = w.m0 + row;
         if (w.splits == 1) {
 #pragma unroll
@@ -38,6 +38,7 @@
         if (pr < 0 || pr >= w.rows) continue;
         const TokenHead th = packed_row(pr, p.pack, w.q_start, w.kv_head);
         const int token = th.token, head = th.head;
+        const float lse2 = full_lse2(p, w, head, token, row_lse2, sl2);
         if (w.splits == 1) {
           if (p.lse && c == 0) p.lse[int64_t(head) * p.total_q + token] = lse2 * LN2;
         } else {  // fp32 partials straight from the fragments (explicit prefill splits: rare)

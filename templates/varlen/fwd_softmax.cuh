@@ -4,10 +4,44 @@
 // of its warp's tile (mma.sync's m16n8 C layout; wgmma's per warp too).
 using ScoreTile = float[M_TILES][N_TILES][4];
 
+// A KV_AFFINE score's origin for the keys of row block w: its first row's q_idx. The tile loop
+// adds kv_slope * (kv_idx - origin), whose size stays that of the bias itself near the diagonal.
+__device__ __forceinline__ int affine_origin(const VarlenParams& p, const Work& w) {
+  return max(w.m0, 0) / p.pack + w.k_len - w.q_len;
+}
+
+// Row (head, token)'s lse2 (log2 units) with what a KV_AFFINE tile loop left out of its scores,
+// the same for all its keys (so the softmax never needed it): score(0, ..., kv_idx = origin) x
+// scale_log2. The backward's recomputed scores then match lse. Other scores: lse2 as it is.
+__device__ __forceinline__ float full_lse2(const VarlenParams& p, const Work& w, int head, int token, float lse2,
+                                           float scale_log2) {
+  if constexpr (!ScoreMod::KV_AFFINE) return lse2;
+  const float left_out = ScoreMod(p).score(0.f, w.seq, head, variant_q_idx(w, token), affine_origin(p, w));
+  return fmaf(left_out, scale_log2, lse2);  // -inf (no visible key) stays -inf
+}
+
 // The score hook on every logit of the tile (keys from n0; rows from the block's m0).
 __device__ __forceinline__ void score_tile(const VarlenParams& p, const Work& w, ScoreTile& s, int n0, int row0,
                                            int col0, int g, int c) {
   const ScoreMod score_mod(p);
+  if constexpr (ScoreMod::KV_AFFINE) {
+    // s + a * (kv_idx - origin), a per row: one FMA per logit; the column's offset is exact in
+    // fp32 (positions < 2^22: the variant's calls check), one conversion per tile.
+    const float base = float(n0 + col0 + 2 * c - affine_origin(p, w));
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const TokenHead th = packed_row(w.m0 + row0 + mt * 16 + h * 8 + g, p.pack, w.q_start, w.kv_head);
+        const float a = score_mod.kv_slope(w.seq, th.head, variant_q_idx(w, th.token));
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+          for (int e = 2 * h; e < 2 * h + 2; ++e)
+            s[mt][nt][e] = fmaf(base + float(nt * 8 + (e & 1)), a, s[mt][nt][e]);
+      }
+    return;
+  }
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll

@@ -7,14 +7,18 @@
 // and the backward multiplies dS by dscore(s, score(s, ...), b, h, q_idx, kv_idx) = (dL / ds) /
 // scale (it applies scale to dQ and dK once, after the tile loop). Index arguments a hook does
 // not read cost nothing: they are dead code once it is inlined. IdentityScore (no cap, no user
-// function) is inactive: every use of it compiles away.
+// function) is inactive: every use of it compiles away. KV_AFFINE: score(s, b, h, q_idx, kv_idx)
+// = s + kv_slope(b, h, q_idx) * kv_idx + (a part free of kv_idx), which the forward's tile loop
+// turns into one FMA per logit (fwd_softmax.cuh's score_tile); only a user's bias can be.
 
 struct IdentityScore {
   static constexpr bool ACTIVE = false;
+  static constexpr bool KV_AFFINE = false;
   template <class Params>
   __device__ __forceinline__ explicit IdentityScore(const Params&) {}
   __device__ __forceinline__ float score(float s, int, int, int, int) const { return s; }
   __device__ __forceinline__ float dscore(float, float, int, int, int, int) const { return 1.f; }
+  __device__ __forceinline__ float kv_slope(int, int, int) const { return 0.f; }
 };
 
 // Logit soft cap (Gemma-2): L = cap * tanh(scale * s / cap). The host folds cap * log2(e) into
@@ -25,6 +29,7 @@ constexpr bool EXACT_SOFT_CAP = JITATTN_EXACT_SOFT_CAP;  // (set by the entry te
 
 struct SoftCapScore {
   static constexpr bool ACTIVE = true;
+  static constexpr bool KV_AFFINE = false;
   float cap_scale;
   template <class Params>
   __device__ __forceinline__ explicit SoftCapScore(const Params& p) : cap_scale(p.cap_scale) {}
@@ -32,4 +37,5 @@ struct SoftCapScore {
     return EXACT_SOFT_CAP ? tanh_from_exp2(s * cap_scale) : tanh_approx(s * cap_scale);
   }
   __device__ __forceinline__ float dscore(float, float th, int, int, int, int) const { return fmaf(-th, th, 1.f); }
+  __device__ __forceinline__ float kv_slope(int, int, int) const { return 0.f; }
 };
