@@ -78,17 +78,19 @@ def head_dim(name: str, value: int) -> int:
     return value
 
 
-def vector_ready(t: torch.Tensor) -> torch.Tensor:
-    """`t` itself if kernels can read it with 16-byte vectors (unit last stride, 16-byte aligned
-    base and strides), else a contiguous copy: never a silent misread."""
+def reads_in_place(t: torch.Tensor) -> bool:
+    """Whether kernels can read `t` as it is with 16-byte vectors: unit last stride, 16-byte
+    aligned base and strides."""
     if t.data_ptr() % 16 == 0 and t.is_contiguous():  # the common case, checked cheaply
-        return t
+        return True
     per_vec = 16 // t.element_size()
-    if (
-        t.stride(-1) == 1
-        and t.data_ptr() % 16 == 0
-        and all(s % per_vec == 0 for s in t.stride()[:-1])
-    ):
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % per_vec == 0 for s in t.stride()[:-1])
+
+
+def vector_ready(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself if kernels can read it with 16-byte vectors (reads_in_place), else a contiguous
+    copy: never a silent misread."""
+    if reads_in_place(t):
         return t
     # clone, not contiguous(): a contiguous tensor at a misaligned address must be copied too.
     return t.clone(memory_format=torch.contiguous_format)

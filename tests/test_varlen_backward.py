@@ -227,12 +227,13 @@ def standin_backward(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, 
 
 @pytest.fixture
 def standin(monkeypatch):
-    """jitattn.varlen.forward.forward (where the API and the ops call it) and the backward
-    launch replaced by the references; the CUDA-device check accepts CPU tensors (the fake
+    """jitattn.varlen.forward.forward (where the API and the ops call it; warm calls off) and the
+    backward launch replaced by the references; the CUDA-device check accepts CPU tensors (the fake
     kernels call it): the ops and their autograd formula run on the CPU."""
     standin_forward.calls = []
     standin_backward.calls = []
     monkeypatch.setattr(varlen_api, "forward", standin_forward)
+    monkeypatch.setattr(varlen_api, "warm_key", lambda *args: None)  # no warm launches past the stand-in
     monkeypatch.setattr(varlen_ops, "forward", standin_forward)
     monkeypatch.setattr(backward_launch, "backward", standin_backward)
     monkeypatch.setattr(_checks, "cuda_device", lambda named: next(iter(named.values())).device)

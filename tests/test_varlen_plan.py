@@ -385,3 +385,80 @@ def test_prewarm_follows_the_active_overrides():
     with plan.override_spec("varlen_backward", persistent=False):
         variants = VarlenBackwardSpec.prewarm_variants({"head_dim": 128, "dtype": "bfloat16"}, ("9.0",))
     assert [v["persistent"] for v in variants] == [False]
+
+
+# ---------------------------------------------------------------- warm calls (forward.py's warm_key)
+def public(**kwargs):
+    import jitattn
+
+    return jitattn.varlen_attn(**kwargs)
+
+
+def counting_plans(monkeypatch):
+    plans = []
+    real = varlen.plan
+
+    def counted(call):
+        plans.append(call)
+        return real(call)
+
+    monkeypatch.setattr(varlen, "plan", counted)
+    return plans
+
+
+def scalars(args):
+    return [a for a in args if not isinstance(a, torch.Tensor)]
+
+
+def test_a_warm_call_launches_the_remembered_plan_without_checking_or_planning_again(launches, monkeypatch):
+    plans = counting_plans(monkeypatch)
+    public(**batch([5, 9], [7, 12], h_q=8, h_kv=2, d=64))
+    planned = len(plans)
+    assert planned >= 1
+    for _ in range(3):  # new tensors with the same metadata: another layer of the model
+        public(**batch([5, 9], [7, 12], h_q=8, h_kv=2, d=64))
+    assert len(plans) == planned, "a warm call must not plan again"
+    first, last = launches[0][1], launches[-1][1]
+    assert scalars(first) == scalars(last) and launches[0][0] == launches[-1][0]
+    public(**batch([5, 9], [7, 13], h_q=8, h_kv=2, d=64))  # another max_k: a new key
+    assert len(plans) > planned
+
+
+def test_warm_calls_still_refuse_what_the_checks_refuse(launches):
+    """Scalars that compare equal to a warm call's (True == 1) but that the checks refuse, and a
+    bad AuxRequest, miss the memo and get the checks' errors."""
+    good = batch([5, 9], [7, 12], h_q=8, h_kv=2, d=64)
+    public(**good, window_size=(1, 0), num_splits=1, scale=1.0)
+    public(**good, window_size=(1, 0), num_splits=1, scale=1.0)
+    with pytest.raises((TypeError, ValueError), match="window_size"):
+        public(**good, window_size=(True, 0), num_splits=1, scale=1.0)
+    with pytest.raises((TypeError, ValueError), match="num_splits"):
+        public(**good, window_size=(1, 0), num_splits=True, scale=1.0)
+    with pytest.raises(TypeError, match="return_aux.lse"):
+        public(**good, window_size=(1, 0), num_splits=1, scale=1.0, return_aux=AuxRequest(lse=1))
+
+
+def test_inputs_the_kernel_cannot_read_as_given_are_fixed_on_every_call(launches):
+    """A query at an odd address is copied for the kernel, warm or not: such calls are never
+    remembered."""
+    for _ in range(3):
+        b = batch([5, 9], [7, 12], h_q=8, h_kv=2, d=64)
+        q = b["query"]
+        odd = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
+        public(**{**b, "query": odd})
+        launched = launches[-1][1][0]
+        assert launched.data_ptr() % 16 == 0 and launched.data_ptr() != odd.data_ptr()
+
+
+def test_a_changed_knob_or_override_is_a_new_key(launches, monkeypatch):
+    on_hopper(monkeypatch)
+    b = batch([300], [300], h_q=8, h_kv=8, d=128)
+    public(**b)
+    public(**batch([300], [300], h_q=8, h_kv=8, d=128))
+    assert launches[-1][0].wgmma
+    monkeypatch.setenv("JITATTN_WGMMA", "0")
+    public(**batch([300], [300], h_q=8, h_kv=8, d=128))
+    assert not launches[-1][0].wgmma
+    monkeypatch.delenv("JITATTN_WGMMA")
+    public(**batch([300], [300], h_q=8, h_kv=8, d=128))
+    assert launches[-1][0].wgmma

@@ -22,7 +22,7 @@ import torch
 
 from jitattn.lazy_ops import trace_time_constant
 from jitattn.varlen.checks import AuxRequest, needs_grad, varlen_call
-from jitattn.varlen.forward import forward
+from jitattn.varlen.forward import forward, remember, warm_forward, warm_key
 
 __all__ = ["AuxRequest", "varlen_attn", "varlen_attn_out"]
 _NO_CONTEXT = contextlib.nullcontext()
@@ -124,10 +124,20 @@ def varlen_attn(
             query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, list(window_size), enable_gqa,
             seqused_k, block_table, num_splits, want_lse or grad, softcap, *_variant_op_args(score_mod, mask_mod))
     else:
-        out, lse = forward(varlen_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                                       window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
-                                       block_table=block_table, num_splits=num_splits, return_aux=return_aux,
-                                       softcap=softcap, score_mod=score_mod, mask_mod=mask_mod))
+        # A warm call (shapes, scalars and variants seen before) skips the checks and the planning.
+        memo = warm_key(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa,
+                        seqused_k, block_table, num_splits, return_aux, softcap, score_mod, mask_mod)
+        result = None if memo is None else warm_forward(memo, query, key, value, cu_seq_q, cu_seq_k, seqused_k,
+                                                        block_table, score_mod, mask_mod)
+        if result is None:
+            call = varlen_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                               window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
+                               block_table=block_table, num_splits=num_splits, return_aux=return_aux,
+                               softcap=softcap, score_mod=score_mod, mask_mod=mask_mod)
+            result = forward(call)
+            if memo is not None:
+                remember(memo, call)
+        out, lse = result
     return (out, lse) if want_lse else out
 
 

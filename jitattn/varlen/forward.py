@@ -2,12 +2,15 @@
 -> launch, shared by the eager call and the ops."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from jitattn import checks as check
 from jitattn.jit import env
 from jitattn.jit.loader import get_module
 from jitattn.kernel import OpKernel, call_memo
+from jitattn.variants.tree import Variant
 from jitattn.variants.window import lower_window
 from jitattn.varlen import overrides
 from jitattn.varlen.checks import VarlenCall, check_varlen_values
@@ -30,15 +33,31 @@ def captures_of(score_mod, mask_mod) -> tuple:
     return (score_mod.tensors if score_mod else ()) + (mask_mod.tensors if mask_mod else ())
 
 
-def forward(call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plan and launch a checked call. Returns (out, lse); lse is (0, T_q) unless the call asked for it."""
+class Launch(NamedTuple):
+    """Everything a call's launch needs but its tensors: what `plan` derives from a checked
+    call's shapes, dtypes, strides, scalars and variants' trees (and the device, the overrides
+    and the knobs read per call), so a warm call with the same ones reuses it (`warm_key`)."""
+
+    kernel: OpKernel
+    group: int
+    m_blocks: int
+    splits: int
+    min_tiles: int
+    window_left: int
+    window_right: int
+    scale_log2: float
+    softcap: float
+    return_lse: bool
+    map_flag: tuple
+    mask_captures: bool  # the mask_mod's tensors go to the kernel (not lowered to a window)
+    out_like_query: bool  # out = torch.empty_like(query): the query's layout is not the binding's
+    ready: bool  # inputs as given: aligned, contiguous metadata (a warm call may skip the checks)
+
+
+def plan(call: VarlenCall) -> Launch:
+    """The kernel and launch arguments of a checked call (its module loaded or built once)."""
     args = call  # the checked sizes (VarlenArgs' fields) are the call's own
     query, key, max_q = call.query, call.key, call.max_q
-    debug = env.debug() and not torch.cuda.is_current_stream_capturing()
-    if debug:  # reads the metadata back: a sync, so only when asked for
-        check_varlen_values(query, key, call.cu_seq_q, call.cu_seq_k, max_q, call.max_k, seqused_k=call.seqused_k,
-                            block_table=call.block_table)
-
     group = args.num_heads_q // args.num_heads_kv
     hopper = is_hopper(args.device)
     # for_call's arguments in its order (head_dim, dtype, paged, soft cap, few rows, one split,
@@ -66,11 +85,38 @@ def forward(call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
         ctas = m_blocks * args.num_seqs * args.num_heads_kv
         splits, min_tiles = auto_splits(ctas, call.max_k, tile_n, kernel.capacity(args.device)), MIN_SPLIT_TILES
     splits = min(splits, MAX_SPLITS)
+    # The output takes the query's layout, as torch's does (`torch.empty_like(query)`, also in
+    # the fake kernel). A query with those strides gets them from the binding's allocation.
+    out_like_query = query.stride() != (query.shape[1] * args.head_dim, args.head_dim, 1)
+    ready = (all(check.reads_in_place(t) for t in (query, key, call.value))
+             and all(t is None or t.is_contiguous() for t in (call.cu_seq_q, call.cu_seq_k, call.seqused_k))
+             and (call.block_table is None or call.block_table.stride(-1) == 1)
+             and (call.out is None or check.reads_in_place(call.out)))
+    return Launch(kernel, group, m_blocks, splits, min_tiles, window_left, window_right, args.scale * LOG2E,
+                  args.softcap, args.return_lse,
+                  mask_map_flag(map_layout, call.max_k, tile_n, args.num_seqs * m_blocks, args.num_heads_kv),
+                  mask_mod is not None, out_like_query, ready)
 
+
+def _run(launch: Launch, query, key, value, cu_seq_q, cu_seq_k, seqused_k, block_table, out, bad_page,
+         score_mod, mask_mod):
+    """The kernel on ready inputs (`out`: None, or one the kernel can write)."""
+    return launch.kernel.run(query, key, value, cu_seq_q, cu_seq_k, seqused_k, block_table, out, bad_page,
+                             launch.group, launch.m_blocks, launch.splits, launch.min_tiles, launch.window_left,
+                             launch.window_right, launch.scale_log2, launch.softcap, launch.return_lse,
+                             *launch.map_flag, *captures_of(score_mod, mask_mod if launch.mask_captures else None))
+
+
+def forward(call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plan and launch a checked call. Returns (out, lse); lse is (0, T_q) unless the call asked for it."""
+    query, key = call.query, call.key
+    debug = env.debug() and not torch.cuda.is_current_stream_capturing()
+    if debug:  # reads the metadata back: a sync, so only when asked for
+        check_varlen_values(query, key, call.cu_seq_q, call.cu_seq_k, call.max_q, call.max_k,
+                            seqused_k=call.seqused_k, block_table=call.block_table)
+    launch = plan(call)
     out = call.out
-    if out is None and query.stride() != (query.shape[1] * args.head_dim, args.head_dim, 1):
-        # The output takes the query's layout, as torch's does (`torch.empty_like(query)`, also in
-        # the fake kernel). A query with those strides gets them from the binding's allocation.
+    if out is None and launch.out_like_query:
         out = torch.empty_like(query)
     query, key, value = check.vectors_ready(query, key, call.value)
     metadata = [t if t is None or t.is_contiguous() else t.contiguous()
@@ -83,19 +129,85 @@ def forward(call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
     target = out
     if out is not None and check.vector_ready(out) is not out:
         target = None
-    bad_page = torch.zeros(3, dtype=torch.int32, device=args.device) if debug and args.paged else None
-    result, lse = kernel.run(query, key, value, metadata[0], metadata[1], metadata[2], block_table, target,
-                             bad_page, group, m_blocks, splits, min_tiles, window_left, window_right,
-                             args.scale * LOG2E, args.softcap, args.return_lse,
-                             *mask_map_flag(map_layout, call.max_k, tile_n, args.num_seqs * m_blocks, args.num_heads_kv),
-                             *captures_of(score_mod, mask_mod))
+    bad_page = torch.zeros(3, dtype=torch.int32, device=call.device) if debug and call.paged else None
+    result, lse = _run(launch, query, key, value, *metadata, block_table, target, bad_page, call.score_mod,
+                       call.mask_mod)
     if out is not None and target is None:
         out.copy_(result)
         result = out
     if debug:
-        torch.cuda.synchronize(args.device)
+        torch.cuda.synchronize(call.device)
         if bad_page is not None and int(bad_page[0]):
             seq, page = int(bad_page[1]), int(bad_page[2])
             raise ValueError(f"block_table[{seq}, {page}] is not a page of the pool (caught on the device): "
                              f"page ids must be in [0, {key.shape[0]})")
     return result, lse
+
+
+# ------------------------------------------------------------------ warm calls
+# A model calls varlen_attn with the same shapes layer after layer: its checks and `plan` depend
+# on the tensors' metadata and the scalars alone, so an eager call (no grad, no `out`) whose key
+# was seen before launches at once. The key holds every input the checks and `plan` read
+# (notes/host-time.md, "warm calls").
+_warm: dict[tuple, Launch] = call_memo()
+WARM_ENTRIES = 256
+
+
+def _meta(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15, t.requires_grad)
+
+
+def _variant_meta(v):
+    if v is None:
+        return None
+    if not isinstance(v, Variant):
+        return False  # a function: traced per call, no key
+    return v.key_text, v.kind, tuple(_meta(t) for t in v.tensors)
+
+
+def warm_key(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa, seqused_k,
+             block_table, num_splits, return_aux, softcap, score_mod, mask_mod) -> tuple | None:
+    """The memo key of an eager call without grad or `out`, or None where it has none (a variant
+    given as a function, arguments of types the checks would convert or refuse, debug mode)."""
+    if (type(max_q) is not int or type(max_k) is not int or not isinstance(window_size, (tuple, list))
+            or not all(isinstance(t, torch.Tensor) for t in (query, key, value, cu_seq_q))
+            or env.debug()):
+        return None
+    variants = (_variant_meta(score_mod), _variant_meta(mask_mod))
+    if False in variants:
+        return None
+    try:
+        # Scalars with their types: True == 1 and hash alike, but the checks refuse a bool.
+        key = (_meta(query), _meta(key), _meta(value), _meta(cu_seq_q), _meta(cu_seq_k), _meta(seqused_k),
+               _meta(block_table), max_q, max_k, _typed(scale), tuple(map(_typed, window_size)), _typed(enable_gqa),
+               _typed(num_splits), None if return_aux is None else (type(return_aux), _typed(return_aux.lse)),
+               _typed(softcap), variants, env.lower_mask_windows(), env.wgmma_enabled(), overrides.state(),
+               torch.is_grad_enabled())
+        hash(key)
+        return key
+    except (AttributeError, TypeError):  # not tensors, or unhashable scalars: the checks will say
+        return None
+
+
+def _typed(x):
+    return type(x), x
+
+
+def warm_forward(key: tuple, query, key_, value, cu_seq_q, cu_seq_k, seqused_k, block_table, score_mod, mask_mod):
+    """(out, lse) of a call whose `warm_key` was remembered, or None (then forward(varlen_call(...))
+    and `remember`)."""
+    launch = _warm.get(key)
+    if launch is None:
+        return None
+    out = torch.empty_like(query) if launch.out_like_query else None
+    return _run(launch, query, key_, value, cu_seq_q, cu_seq_k, seqused_k, block_table, out, None, score_mod,
+                mask_mod)
+
+
+def remember(key: tuple, call: VarlenCall) -> None:
+    """Keep `plan(call)` (its kernel is loaded by now) under `key`, when its inputs needed no fixing."""
+    launch = plan(call)
+    if launch.ready and call.out is None:
+        if len(_warm) >= WARM_ENTRIES:
+            _warm.pop(next(iter(_warm)))
+        _warm[key] = launch
