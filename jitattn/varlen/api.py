@@ -22,7 +22,7 @@ import torch
 
 from jitattn.lazy_ops import trace_time_constant
 from jitattn.varlen.checks import AuxRequest, needs_grad, varlen_call
-from jitattn.varlen.forward import forward, remember, warm_forward, warm_key
+from jitattn.varlen.forward import forward, warm_forward, warm_key
 
 __all__ = ["AuxRequest", "varlen_attn", "varlen_attn_out"]
 _NO_CONTEXT = contextlib.nullcontext()
@@ -134,9 +134,7 @@ def varlen_attn(
                                window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
                                block_table=block_table, num_splits=num_splits, return_aux=return_aux,
                                softcap=softcap, score_mod=score_mod, mask_mod=mask_mod)
-            result = forward(call)
-            if memo is not None:
-                remember(memo, call)
+            result = forward(call) if memo is None else forward(call, remember_as=memo)
         out, lse = result
     return (out, lse) if want_lse else out
 

@@ -107,14 +107,20 @@ def _run(launch: Launch, query, key, value, cu_seq_q, cu_seq_k, seqused_k, block
                              *launch.map_flag, *captures_of(score_mod, mask_mod if launch.mask_captures else None))
 
 
-def forward(call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plan and launch a checked call. Returns (out, lse); lse is (0, T_q) unless the call asked for it."""
+def forward(call: VarlenCall, remember_as: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plan and launch a checked call. Returns (out, lse); lse is (0, T_q) unless the call asked for it.
+    remember_as: the call's `warm_key`, under which its plan is kept for warm calls (when its
+    inputs needed no fixing)."""
     query, key = call.query, call.key
     debug = env.debug() and not torch.cuda.is_current_stream_capturing()
     if debug:  # reads the metadata back: a sync, so only when asked for
         check_varlen_values(query, key, call.cu_seq_q, call.cu_seq_k, call.max_q, call.max_k,
                             seqused_k=call.seqused_k, block_table=call.block_table)
     launch = plan(call)
+    if remember_as is not None and launch.ready and call.out is None:
+        if len(_warm) >= WARM_ENTRIES:
+            _warm.pop(next(iter(_warm)))
+        _warm[remember_as] = launch
     out = call.out
     if out is None and launch.out_like_query:
         out = torch.empty_like(query)
@@ -194,20 +200,11 @@ def _typed(x):
 
 
 def warm_forward(key: tuple, query, key_, value, cu_seq_q, cu_seq_k, seqused_k, block_table, score_mod, mask_mod):
-    """(out, lse) of a call whose `warm_key` was remembered, or None (then forward(varlen_call(...))
-    and `remember`)."""
+    """(out, lse) of a call whose `warm_key` was remembered, or None (then
+    forward(varlen_call(...), remember_as=key))."""
     launch = _warm.get(key)
     if launch is None:
         return None
     out = torch.empty_like(query) if launch.out_like_query else None
     return _run(launch, query, key_, value, cu_seq_q, cu_seq_k, seqused_k, block_table, out, None, score_mod,
                 mask_mod)
-
-
-def remember(key: tuple, call: VarlenCall) -> None:
-    """Keep `plan(call)` (its kernel is loaded by now) under `key`, when its inputs needed no fixing."""
-    launch = plan(call)
-    if launch.ready and call.out is None:
-        if len(_warm) >= WARM_ENTRIES:
-            _warm.pop(next(iter(_warm)))
-        _warm[key] = launch
