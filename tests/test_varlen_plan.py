@@ -462,3 +462,25 @@ def test_a_changed_knob_or_override_is_a_new_key(launches, monkeypatch):
     monkeypatch.delenv("JITATTN_WGMMA")
     public(**batch([300], [300], h_q=8, h_kv=8, d=128))
     assert launches[-1][0].wgmma
+
+
+def test_varlen_attn_out_warm_calls_write_into_the_given_out(launches, monkeypatch):
+    """varlen_attn_out (torch's flash provider calls it) takes the warm path too, writing into the
+    `out` it is given; an `out` the kernel cannot write is filled by a copy on every call."""
+    import jitattn
+
+    plans = counting_plans(monkeypatch)
+    for i in range(3):
+        b = batch([5, 9], [7, 12], h_q=8, h_kv=2, d=64)
+        out = torch.empty_like(b["query"])
+        assert jitattn.varlen_attn_out(out, **b) is out
+        assert launches[-1][1][7] is out, "the kernel writes into the caller's out"
+        if i == 0:
+            planned = len(plans)
+    assert len(plans) == planned
+    for _ in range(2):
+        b = batch([5, 9], [7, 12], h_q=8, h_kv=2, d=64)
+        q = b["query"]
+        odd = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)  # not 16-byte aligned
+        assert jitattn.varlen_attn_out(odd, **b) is odd
+        assert launches[-1][1][7] is None, "an out the kernel cannot write gets the result copied in"

@@ -59,6 +59,22 @@ def _variant_op_args(score_mod, mask_mod) -> tuple:
     return variant_args.op_arguments(score_mod, mask_mod)
 
 
+def _eager(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa, seqused_k,
+           block_table, num_splits, out, return_aux, softcap, score_mod, mask_mod):
+    """(out, lse) of an eager call without grad: a warm call (its shapes, scalars and variants seen
+    before: forward.warm_key) launches its remembered plan and skips the checks and the planning."""
+    memo = warm_key(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa, seqused_k,
+                    block_table, num_splits, out, return_aux, softcap, score_mod, mask_mod)
+    result = None if memo is None else warm_forward(memo, query, key, value, cu_seq_q, cu_seq_k, seqused_k,
+                                                    block_table, out, score_mod, mask_mod)
+    if result is None:
+        call = varlen_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
+                           enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=num_splits,
+                           out=out, return_aux=return_aux, softcap=softcap, score_mod=score_mod, mask_mod=mask_mod)
+        result = forward(call) if memo is None else forward(call, remember_as=memo)
+    return result
+
+
 def varlen_attn(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -124,18 +140,8 @@ def varlen_attn(
             query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, list(window_size), enable_gqa,
             seqused_k, block_table, num_splits, want_lse or grad, softcap, *_variant_op_args(score_mod, mask_mod))
     else:
-        # A warm call (shapes, scalars and variants seen before) skips the checks and the planning.
-        memo = warm_key(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa,
-                        seqused_k, block_table, num_splits, return_aux, softcap, score_mod, mask_mod)
-        result = None if memo is None else warm_forward(memo, query, key, value, cu_seq_q, cu_seq_k, seqused_k,
-                                                        block_table, score_mod, mask_mod)
-        if result is None:
-            call = varlen_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                               window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
-                               block_table=block_table, num_splits=num_splits, return_aux=return_aux,
-                               softcap=softcap, score_mod=score_mod, mask_mod=mask_mod)
-            result = forward(call) if memo is None else forward(call, remember_as=memo)
-        out, lse = result
+        out, lse = _eager(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa,
+                          seqused_k, block_table, num_splits, None, return_aux, softcap, score_mod, mask_mod)
     return (out, lse) if want_lse else out
 
 
@@ -178,9 +184,6 @@ def varlen_attn_out(
         # no_grad: the kernel's writes are no autograd op anyway; the copy into an `out` the
         # kernel cannot write in place (and a leaf `out` that requires grad) must not be one either.
         with torch.no_grad() if needs_grad(out, query, key, value) else _NO_CONTEXT:
-            out, lse = forward(varlen_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                                           window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
-                                           block_table=block_table, num_splits=num_splits, out=out,
-                                           return_aux=return_aux, softcap=softcap, score_mod=score_mod,
-                                           mask_mod=mask_mod))
+            out, lse = _eager(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa,
+                              seqused_k, block_table, num_splits, out, return_aux, softcap, score_mod, mask_mod)
     return (out, lse) if want_lse else out

@@ -117,7 +117,7 @@ def forward(call: VarlenCall, remember_as: tuple | None = None) -> tuple[torch.T
         check_varlen_values(query, key, call.cu_seq_q, call.cu_seq_k, call.max_q, call.max_k,
                             seqused_k=call.seqused_k, block_table=call.block_table)
     launch = plan(call)
-    if remember_as is not None and launch.ready and call.out is None:
+    if remember_as is not None and launch.ready:
         if len(_warm) >= WARM_ENTRIES:
             _warm.pop(next(iter(_warm)))
         _warm[remember_as] = launch
@@ -152,7 +152,7 @@ def forward(call: VarlenCall, remember_as: tuple | None = None) -> tuple[torch.T
 
 # ------------------------------------------------------------------ warm calls
 # A model calls varlen_attn with the same shapes layer after layer: its checks and `plan` depend
-# on the tensors' metadata and the scalars alone, so an eager call (no grad, no `out`) whose key
+# on the tensors' metadata and the scalars alone, so an eager call (no grad) whose key
 # was seen before launches at once. The key holds every input the checks and `plan` read
 # (notes/host-time.md, "warm calls").
 _warm: dict[tuple, Launch] = call_memo()
@@ -172,11 +172,12 @@ def _variant_meta(v):
 
 
 def warm_key(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa, seqused_k,
-             block_table, num_splits, return_aux, softcap, score_mod, mask_mod) -> tuple | None:
-    """The memo key of an eager call without grad or `out`, or None where it has none (a variant
-    given as a function, arguments of types the checks would convert or refuse, debug mode)."""
+             block_table, num_splits, out, return_aux, softcap, score_mod, mask_mod) -> tuple | None:
+    """The memo key of an eager call without grad, or None where it has none (a variant given as
+    a function, arguments of types the checks would convert or refuse, debug mode)."""
     if (type(max_q) is not int or type(max_k) is not int or not isinstance(window_size, (tuple, list))
             or not all(isinstance(t, torch.Tensor) for t in (query, key, value, cu_seq_q))
+            or not (out is None or isinstance(out, torch.Tensor))
             or env.debug()):
         return None
     variants = (_variant_meta(score_mod), _variant_meta(mask_mod))
@@ -185,7 +186,7 @@ def warm_key(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_
     try:
         # Scalars with their types: True == 1 and hash alike, but the checks refuse a bool.
         key = (_meta(query), _meta(key), _meta(value), _meta(cu_seq_q), _meta(cu_seq_k), _meta(seqused_k),
-               _meta(block_table), max_q, max_k, _typed(scale), tuple(map(_typed, window_size)), _typed(enable_gqa),
+               _meta(block_table), _meta(out), max_q, max_k, _typed(scale), tuple(map(_typed, window_size)), _typed(enable_gqa),
                _typed(num_splits), None if return_aux is None else (type(return_aux), _typed(return_aux.lse)),
                _typed(softcap), variants, env.lower_mask_windows(), env.wgmma_enabled(), overrides.state(),
                torch.is_grad_enabled())
@@ -199,12 +200,14 @@ def _typed(x):
     return type(x), x
 
 
-def warm_forward(key: tuple, query, key_, value, cu_seq_q, cu_seq_k, seqused_k, block_table, score_mod, mask_mod):
+def warm_forward(key: tuple, query, key_, value, cu_seq_q, cu_seq_k, seqused_k, block_table, out, score_mod,
+                 mask_mod):
     """(out, lse) of a call whose `warm_key` was remembered, or None (then
     forward(varlen_call(...), remember_as=key))."""
     launch = _warm.get(key)
     if launch is None:
         return None
-    out = torch.empty_like(query) if launch.out_like_query else None
+    if out is None and launch.out_like_query:
+        out = torch.empty_like(query)
     return _run(launch, query, key_, value, cu_seq_q, cu_seq_k, seqused_k, block_table, out, None, score_mod,
                 mask_mod)
