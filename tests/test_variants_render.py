@@ -235,7 +235,8 @@ def test_a_bias_affine_in_kv_idx_renders_its_slope_per_row_and_others_none():
         (lambda s, b, h, q, kv: s + slopes[h] * (kv - q)): (1, ("load", 0, ("arg", "h"))),
         (lambda s, b, h, q, kv: s - slopes[h] * (q - kv) / 2): (-1, ("div", ("neg", ("load", 0, ("arg", "h"))),
                                                                      ("const", 2.0))),
-        (lambda s, b, h, q, kv: s + (kv - q) * slopes[h] * 0.5): (1, ("mul", ("load", 0, ("arg", "h")), ("const", 0.5))),
+        (lambda s, b, h, q, kv: s + (kv - q) * slopes[h] * 0.5): (1, ("mul", ("load", 0, ("arg", "h")),
+                                                                        ("const", 0.5))),
         (lambda s, b, h, q, kv: s + (2 * kv - q) * slopes[h]): None,  # kv_idx only through +-, as _float_positions
         (lambda s, b, h, q, kv: s + slopes[h] * q): None,  # free of kv_idx: nothing to factor
         (lambda s, b, h, q, kv: s + table[h, q - kv + 4]): None,
@@ -254,7 +255,8 @@ def test_a_bias_affine_in_kv_idx_renders_its_slope_per_row_and_others_none():
 
 
 ALLOWED_WORDS = set("""
-struct static constexpr bool ACTIVE KV_AFFINE kv_slope true false const jitattn_variant Capture caps float int scale inv_scale template
+struct static constexpr bool ACTIVE KV_AFFINE kv_slope true false const jitattn_variant Capture caps float int scale
+inv_scale template
 class Params __device__ __forceinline__ __host__ explicit p captures nullptr score s b h q_idx kv_idx return dscore sc
 MaskMod ScoreMod DATA_DEPENDENT USES_HEAD pack visible TileClass classify kv_head q_lo q_hi kv_lo kv_hi TILE_EMPTY TILE_FULL TILE_PARTIAL
 may_true may_false lo hi long INFINITY IInt IBool IFloat The user s score_mod mask_mod rendered by jitattn variants

@@ -13,12 +13,14 @@ Random weights, bf16, on the GPU. Rows:
   encoder d32 / d64:  a BERT-like encoder (6 layers, hidden 384, 12 heads of 32 / 6 heads of 64),
                       256 right-padded sentences of 8 to 68 tokens; sentences/s.
 Each case builds every implementation's model (same weights), then times them in three interleaved
-rounds (sdpa, jitattn, sdpa, ...; each a warm-up and a few runs) and keeps each one's median. Then SDPA's flash path (sdpa_kernel(FLASH_ATTENTION)) with torch's own kernels
-beside the same with jitattn active as torch's flash provider (jitattn.activate()), and SDPA's
-default choice, for the cases SDPA can send to flash (no mask): generate b1 and a dense train step.
---profile prints the host-side profile of one decode step at batch 1 and 8 per implementation, and the host
-and device totals of one encoder forward (d32), and a cProfile (Python time between the ops) of
-batch-1 decode steps and encoder forwards (d64).
+rounds (sdpa, jitattn, sdpa, ...; each a warm-up and a few runs) and keeps each one's median.
+Then SDPA's flash path (sdpa_kernel(FLASH_ATTENTION)) with torch's own kernels beside the same
+with jitattn active as torch's flash provider (jitattn.activate()), and SDPA's default choice, for
+the cases SDPA can send to flash (no mask): generate b1 and a dense train step.
+--profile prints the host-side profile of one decode step at batch 1 and 8 per implementation
+(with its unprofiled wall time, device time and host waits), the host and device totals of one
+encoder forward (d32), and a cProfile (Python time between the ops) of batch-1 decode steps and
+encoder forwards (d64).
 --host-read adds a column to the padded cases (generate b8, train padded, the encoders): jitattn
 with Backend.padding="host_read", the padded path before issue 47 item 2 (one host read per
 forward pass, tight max_k, no mask_mod without gaps), beside the default "on_device" (no host

@@ -186,7 +186,8 @@ def warm_key(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_
     try:
         # Scalars with their types: True == 1 and hash alike, but the checks refuse a bool.
         key = (_meta(query), _meta(key), _meta(value), _meta(cu_seq_q), _meta(cu_seq_k), _meta(seqused_k),
-               _meta(block_table), _meta(out), max_q, max_k, _typed(scale), tuple(map(_typed, window_size)), _typed(enable_gqa),
+               _meta(block_table), _meta(out), max_q, max_k, _typed(scale), tuple(map(_typed, window_size)),
+               _typed(enable_gqa),
                _typed(num_splits), None if return_aux is None else (type(return_aux), _typed(return_aux.lse)),
                _typed(softcap), variants, env.lower_mask_windows(), env.wgmma_enabled(), overrides.state(),
                torch.is_grad_enabled())
