@@ -388,9 +388,13 @@ def test_a_host_build_of_the_rendered_code_agrees_with_the_mirror_and_the_refere
     cases = []
     for i, v in enumerate(variants):
         if v.kind == "score_mod":
+            # The forward's KV_AFFINE split (fwd_softmax.cuh): s + kv_slope * (kv - origin) in the
+            # tile loop, score(0, ..., origin) added to lse after it; origin = q - 3 here.
             cases.append(f"    case {i}: {{ const v{i}::ScoreMod m(params[{i}]);"
                          " const float y = m.score(s, b, h, q, kv);"
-                         f" printf(\"%.9g %.9g\\n\", y, m.dscore(s, y, b, h, q, kv)); break; }}")
+                         " const float split = v{i}::ScoreMod::KV_AFFINE ? fmaf(float(kv - (q - 3)), "
+                         "m.kv_slope(b, h, q), s) + m.score(0.f, b, h, q, q - 3) : y;".replace("{i}", str(i))
+                         + f" printf(\"%.9g %.9g %.9g\\n\", y, m.dscore(s, y, b, h, q, kv), split); break; }}")
         else:
             cases.append(f"    case {i}: {{ const v{i}::MaskMod m(params[{i}]); printf(\"%d %d\\n\", "
                          f"int(m.visible(b, h, q, kv)), int(m.classify(b, kvh, qlo, qhi, kvlo, kvhi))); break; }}")
@@ -426,8 +430,9 @@ def test_a_host_build_of_the_rendered_code_agrees_with_the_mirror_and_the_refere
     assert ran.returncode == 0, ran.stderr
     lines = ran.stdout.splitlines()
     assert len(lines) == len(queries)
+    affine_checked = 0
     for line, (v, s, scale, b, h, q, kv, box) in zip(lines, expected):
-        first, second = line.split()
+        first, second, *split = line.split()
         if v.kind == "mask_mod":
             assert bool(int(first)) == bool(reference_mask(v, b, h, q, kv)), (v.key_text, b, h, q, kv)
             verdict = [interval.EMPTY, interval.PARTIAL, interval.FULL][int(second)]
@@ -444,6 +449,13 @@ def test_a_host_build_of_the_rendered_code_agrees_with_the_mirror_and_the_refere
                 assert g == w, (v.key_text, s, w, g)
             else:
                 assert abs(g - w) <= 2e-5 * abs(w) + 2e-5 * max(1.0, abs(s * scale)), (v.key_text, s, w, g)
+        if render.kv_affine(v) is not None and math.isfinite(want):
+            # the split scores what score() does, within fp32 rounding of the larger terms
+            affine_checked += 1
+            bias = abs(float(first) - s) + abs(q - kv) + 3
+            assert abs(float(split[0]) - float(first)) <= 4e-6 * (abs(float(first)) + bias / scale) + 1e-5, \
+                (v.key_text, s, q, kv, first, split)
+    assert affine_checked >= 60  # the gallery's relative position and ALiBi at least
 
 
 @pytest.mark.compile
