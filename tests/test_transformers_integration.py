@@ -20,6 +20,7 @@ import jitattn.integrations.transformers as jt  # noqa: E402
 from jitattn import checks as _checks  # noqa: E402
 from jitattn.reference import varlen_attn_reference  # noqa: E402
 from jitattn.varlen.checks import check_varlen_args  # noqa: E402
+from tests.varlen_utils import window_visibility  # noqa: E402
 
 F32, BF16, I32 = torch.float32, torch.bfloat16, torch.int32
 
@@ -79,12 +80,7 @@ def masked_reference(q, k, v, cu_q, cu_k, seqused_k, scale, window_size, softcap
             x = softcap * torch.tanh(x / softcap)
         rows = torch.arange(len_q)[:, None] + len_k - len_q
         cols = torch.arange(len_k)[None, :]
-        allowed = torch.ones(len_q, len_k, dtype=torch.bool)
-        if left >= 0:
-            allowed &= cols >= rows - left
-        if right >= 0:
-            allowed &= cols <= rows + right
-        allowed = allowed & visible(torch.tensor(b), torch.arange(heads_q)[:, None, None], rows[None], cols[None])
+        allowed = window_visibility(len_q, len_k, left, right) & visible(torch.tensor(b), torch.arange(heads_q)[:, None, None], rows[None], cols[None])
         x = x.masked_fill(~allowed, float("-inf"))
         top = torch.where(allowed.any(-1, keepdim=True), x.amax(-1, keepdim=True), 0.0).detach()
         e = torch.exp(x - top)

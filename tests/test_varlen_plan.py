@@ -436,6 +436,8 @@ def test_warm_calls_still_refuse_what_the_checks_refuse(launches):
         public(**good, window_size=(1, 0), num_splits=True, scale=1.0)
     with pytest.raises(TypeError, match="return_aux.lse"):
         public(**good, window_size=(1, 0), num_splits=1, scale=1.0, return_aux=AuxRequest(lse=1))
+    with pytest.raises((TypeError, ValueError), match="window_size"):  # unhashable: no key at all
+        public(**good, window_size=([1], 0), num_splits=1, scale=1.0)
 
 
 def test_inputs_the_kernel_cannot_read_as_given_are_fixed_on_every_call(launches):

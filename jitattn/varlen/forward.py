@@ -118,9 +118,7 @@ def forward(call: VarlenCall, remember_as: tuple | None = None) -> tuple[torch.T
                             seqused_k=call.seqused_k, block_table=call.block_table)
     launch = plan(call)
     if remember_as is not None and launch.ready:
-        if len(_warm) >= WARM_ENTRIES:
-            _warm.pop(next(iter(_warm)))
-        _warm[remember_as] = launch
+        _remember(remember_as, launch)
     out = call.out
     if out is None and launch.out_like_query:
         out = torch.empty_like(query)
@@ -184,16 +182,14 @@ def warm_key(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_
     if False in variants:
         return None
     try:
-        # Scalars with their types: True == 1 and hash alike, but the checks refuse a bool.
-        key = (_meta(query), _meta(key), _meta(value), _meta(cu_seq_q), _meta(cu_seq_k), _meta(seqused_k),
-               _meta(block_table), _meta(out), max_q, max_k, _typed(scale), tuple(map(_typed, window_size)),
-               _typed(enable_gqa),
-               _typed(num_splits), None if return_aux is None else (type(return_aux), _typed(return_aux.lse)),
-               _typed(softcap), variants, env.lower_mask_windows(), env.wgmma_enabled(), overrides.state(),
-               torch.is_grad_enabled())
-        hash(key)
-        return key
-    except (AttributeError, TypeError):  # not tensors, or unhashable scalars: the checks will say
+        # Scalars with their types: True == 1 and hash alike, but the checks refuse a bool. (An
+        # unhashable scalar makes an unhashable key: warm_forward and forward skip it.)
+        return (_meta(query), _meta(key), _meta(value), _meta(cu_seq_q), _meta(cu_seq_k), _meta(seqused_k),
+                _meta(block_table), _meta(out), max_q, max_k, _typed(scale), tuple(map(_typed, window_size)),
+                _typed(enable_gqa), _typed(num_splits),
+                None if return_aux is None else (type(return_aux), _typed(return_aux.lse)), _typed(softcap),
+                variants, env.lower_mask_windows(), env.wgmma_enabled(), overrides.state(), torch.is_grad_enabled())
+    except AttributeError:  # not tensors: the checks will say
         return None
 
 
@@ -201,11 +197,23 @@ def _typed(x):
     return type(x), x
 
 
+def _remember(key: tuple, launch: Launch) -> None:
+    try:
+        if len(_warm) >= WARM_ENTRIES:
+            _warm.pop(next(iter(_warm)))
+        _warm[key] = launch
+    except TypeError:  # an unhashable key (warm_key): not remembered
+        pass
+
+
 def warm_forward(key: tuple, query, key_, value, cu_seq_q, cu_seq_k, seqused_k, block_table, out, score_mod,
                  mask_mod):
     """(out, lse) of a call whose `warm_key` was remembered, or None (then
     forward(varlen_call(...), remember_as=key))."""
-    launch = _warm.get(key)
+    try:
+        launch = _warm.get(key)
+    except TypeError:  # an unhashable scalar: the checks will take the call
+        return None
     if launch is None:
         return None
     if out is None and launch.out_like_query:
