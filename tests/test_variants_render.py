@@ -388,13 +388,16 @@ def test_a_host_build_of_the_rendered_code_agrees_with_the_mirror_and_the_refere
     cases = []
     for i, v in enumerate(variants):
         if v.kind == "score_mod":
-            # The forward's KV_AFFINE split (fwd_softmax.cuh): s + kv_slope * (kv - origin) in the
-            # tile loop, score(0, ..., origin) added to lse after it; origin = q - 3 here.
+            # The KV_AFFINE split: s + kv_slope * (kv - origin) per logit, score(0, ..., origin) once
+            # per row. The forward's origin is near the row's q_idx (fwd_softmax.cuh: q - 3 here),
+            # the backward's the key tile's first key (backward_common.cuh: kv rounded down to 128).
+            split = ("fmaf(float(kv - ORIGIN), m.kv_slope(b, h, q), s) + m.score(0.f, b, h, q, ORIGIN)")
             cases.append(f"    case {i}: {{ const v{i}::ScoreMod m(params[{i}]);"
                          " const float y = m.score(s, b, h, q, kv);"
-                         " const float split = v{i}::ScoreMod::KV_AFFINE ? fmaf(float(kv - (q - 3)), "
-                         "m.kv_slope(b, h, q), s) + m.score(0.f, b, h, q, q - 3) : y;".replace("{i}", str(i))
-                         + f" printf(\"%.9g %.9g %.9g\\n\", y, m.dscore(s, y, b, h, q, kv), split); break; }}")
+                         f" const bool affine = v{i}::ScoreMod::KV_AFFINE;"
+                         f" const float fwd = affine ? {split.replace('ORIGIN', '(q - 3)')} : y;"
+                         f" const float bwd = affine ? {split.replace('ORIGIN', '(kv & ~127)')} : y;"
+                         f" printf(\"%.9g %.9g %.9g %.9g\\n\", y, m.dscore(s, y, b, h, q, kv), fwd, bwd); break; }}")
         else:
             cases.append(f"    case {i}: {{ const v{i}::MaskMod m(params[{i}]); printf(\"%d %d\\n\", "
                          f"int(m.visible(b, h, q, kv)), int(m.classify(b, kvh, qlo, qhi, kvlo, kvhi))); break; }}")
@@ -452,9 +455,10 @@ def test_a_host_build_of_the_rendered_code_agrees_with_the_mirror_and_the_refere
         if render.kv_affine(v) is not None and math.isfinite(want):
             # the split scores what score() does, within fp32 rounding of the larger terms
             affine_checked += 1
-            bias = abs(float(first) - s) + abs(q - kv) + 3
-            assert abs(float(split[0]) - float(first)) <= 4e-6 * (abs(float(first)) + bias / scale) + 1e-5, \
-                (v.key_text, s, q, kv, first, split)
+            bias = abs(float(first) - s) + abs(q - kv) + 3 + abs(kv) % 128
+            for value in split:  # the forward's, then the backward's
+                assert abs(float(value) - float(first)) <= 4e-6 * (abs(float(first)) + bias / scale) + 1e-5, \
+                    (v.key_text, s, q, kv, first, split)
     assert affine_checked >= 60  # the gallery's relative position and ALiBi at least
 
 

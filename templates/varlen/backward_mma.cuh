@@ -46,7 +46,7 @@ struct SharedStorage {
   uint4 q[2 * QT_CHUNKS];     // [2 stages][BLOCK_M][ROW_CHUNKS]
   uint4 dout[2 * QT_CHUNKS];
   uint4 ds[(WARPS_Q == 2 ? 2 : 1) * DS_TILE];  // dS^T [BLOCK_N][DS_CHUNKS], then (WARPS_Q == 2) P^T
-  float stats[2 * 2 * BLOCK_M];                // [2 stages][lse2, delta][BLOCK_M]
+  float stats[2 * STAT_ARRAYS * BLOCK_M];      // [2 stages][STAT_ARRAYS][BLOCK_M]
 };
 constexpr int SMEM_BYTES = sizeof(SharedStorage);
 static_assert(SMEM_BYTES <= 227 * 1024, "tile shape needs more shared memory than an SM has (227 KB)");
@@ -113,11 +113,11 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const BwdParams p) {
     __syncthreads();  // tile m landed for all; everyone is done with tile m - 1 (its stage, dS^T)
     if (m + 1 < w.m_end)
       load_query_tile<Rows, THREADS>(p, w, m + 1, q_smem + (stage ^ 1) * QT_CHUNKS, do_smem + (stage ^ 1) * QT_CHUNKS,
-                                     stats + (stage ^ 1) * 2 * BLOCK_M, tid);
+                                     stats + (stage ^ 1) * STAT_ARRAYS * BLOCK_M, tid);
     cp_async_commit();
     const uint4* qs = q_smem + stage * QT_CHUNKS;
     const uint4* dos = do_smem + stage * QT_CHUNKS;
-    const float* lse2 = stats + stage * 2 * BLOCK_M;
+    const float* lse2 = stats + stage * STAT_ARRAYS * BLOCK_M;
     const float* delta = lse2 + BLOCK_M;
     const QueryTile tile = query_tile(p, w, m);
 
@@ -149,7 +149,10 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const BwdParams p) {
       float2 l[Q_TILES], d[Q_TILES];
       load_row_stats(l, lse2, q0, c);
       load_row_stats(d, delta, q0, c);
-      if constexpr (ScoreMod::ACTIVE) {
+      if constexpr (ScoreMod::KV_AFFINE) {
+        affine_scores_to_probs(s, lse2, q0, c, key0, g, sl2);
+        probs_to_dscores(s, dp, d);
+      } else if constexpr (ScoreMod::ACTIVE) {
         scored_probs_to_dscores(p, w, m, key0, q0, g, c, s, dp, l, d, sl2);
       } else {
         scores_to_probs(s, l, sl2);

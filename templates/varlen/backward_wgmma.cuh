@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   uint4* do_smem = shared.dout;
   uint4* ds_smem = shared.ds;
   float* dq_smem = shared.dq_and_stats;                     // [DQ_STAGES][DQ_TILE]
-  float* stats = shared.dq_and_stats + DQ_STAGES * DQ_TILE;  // [STAGES][lse2, delta][BLOCK_M]
+  float* stats = shared.dq_and_stats + DQ_STAGES * DQ_TILE;  // [STAGES][STAT_ARRAYS][BLOCK_M]
   float* dq_scratch = shared.dq_scratch;
 
 {% if not persistent %}
@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
       __syncthreads();  // tile m landed for all; every MMA of tile m - 1 is done (its stage, dS^T)
       if (m + 1 < w.m_end)
         load_query_tile<QTiles, THREADS>(p, w, m + 1, q_smem + (stage ^ 1) * QT_CHUNKS, do_smem + (stage ^ 1) * QT_CHUNKS,
-                                        stats + (stage ^ 1) * 2 * BLOCK_M, tid);
+                                        stats + (stage ^ 1) * STAT_ARRAYS * BLOCK_M, tid);
       cp_async_commit();
     }
     const int qs = stage * QT_CHUNKS;
@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     uint32_t* pt32 = ds32 + DS_TILE * 4;  // DKV_SPLIT: P^T
     const uint64_t ds_tile_desc = ds_desc + ds_stage * DS_TILES * DS_TILE;
     const uint64_t dsk_tile_desc = dsk_desc + ds_stage * DS_TILES * DS_TILE;
-    const float* lse2 = stats + stage * 2 * BLOCK_M;
+    const float* lse2 = stats + stage * STAT_ARRAYS * BLOCK_M;
     const float* delta = lse2 + BLOCK_M;
     const QueryTile tile = query_tile(p, w, m);
 
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     auto& s4 = reinterpret_cast<float(&)[Q_TILES][4]>(s);
     auto& dp4 = reinterpret_cast<float(&)[Q_TILES][4]>(dp);
     float2 l[Q_TILES], d[Q_TILES];
-    if constexpr (ScoreMod::ACTIVE) {  // dS^T needs the score of S^T too: both at once, after both GEMMs
+    if constexpr (ScoreMod::ACTIVE && !ScoreMod::KV_AFFINE) {  // dS^T needs the score of S^T too: both at once, after both GEMMs
       wgmma_wait<0>();
       wgmma_pin(s);
       wgmma_pin(dp);
@@ -256,8 +256,12 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
       // registers live across the wait) measured slower (notes/backward-h200.md).
       wgmma_wait<1>();
       wgmma_pin(s);
-      load_row_stats(l, lse2, q0, c);
-      scores_to_probs(s4, l, sl2);
+      if constexpr (ScoreMod::KV_AFFINE) {  // a bias: P^T takes it, dS^T is as without one
+        affine_scores_to_probs(s4, lse2, q0, c, key0, g, sl2);
+      } else {
+        load_row_stats(l, lse2, q0, c);
+        scores_to_probs(s4, l, sl2);
+      }
       wgmma_wait<0>();
       wgmma_pin(dp);
       load_row_stats(d, delta, q0, c);

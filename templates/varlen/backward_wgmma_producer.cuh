@@ -65,7 +65,7 @@
           const auto q = ring + i;  // unsigned when PERSISTENT: the rings' % and / are bit ops
           const int s = q % STAGES, m = w.m_begin + i;
           if (q >= STAGES) mbarrier_wait(&empty[s], free_parity<STAGES>(q));
-          float* st = stats + s * 2 * BLOCK_M;
+          float* st = stats + s * STAT_ARRAYS * BLOCK_M;
           // A sequence's last tile, when partial, by cp.async: its rows past the sequence must
           // be zeros (TMA would read the next sequence's, or the unused tail's, rows; a NaN
           // there times P = 0 would reach dK / dV).
@@ -99,6 +99,7 @@
             for (int k = 0; k < PER_LANE; ++k) {
               st[lane + 32 * k] = l2[k];
               st[BLOCK_M + lane + 32 * k] = dl[k];
+              store_affine_terms(p, w, m * BLOCK_M + lane + 32 * k, st, lane + 32 * k);
             }
           } else {
             if (q == 0) wait_for_prerequisite_grid();

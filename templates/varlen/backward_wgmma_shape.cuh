@@ -70,8 +70,8 @@ struct SharedStorage {
   uint4 dout[STAGES * QT_CHUNKS];
   uint4 ds[DS_STAGES * DS_TILES * DS_TILE];  // dS^T (, P^T) [DS_STAGES][DS_TILES][BLOCK_N keys][BLOCK_M queries]
   // The dQ hand-off buffers [DQ_STAGES][DQ_TILE] (none with DKV_SPLIT), then lse2 / delta
-  // [STAGES][lse2, delta][BLOCK_M]: one array, so that a zero DQ_STAGES moves nothing.
-  float dq_and_stats[DQ_STAGES * DQ_TILE + STAGES * 2 * BLOCK_M];
+  // [STAGES][STAT_ARRAYS][BLOCK_M]: one array, so that a zero DQ_STAGES moves nothing.
+  float dq_and_stats[DQ_STAGES * DQ_TILE + STAGES * STAT_ARRAYS * BLOCK_M];
   float dq_scratch[DQ_SCRATCH > 0 ? DQ_SCRATCH : 1];  // DKV_SPLIT: [warp][8 rows][DQ_SN]
 };
 constexpr int SMEM_BYTES = offsetof(SharedStorage, dq_scratch) + DQ_SCRATCH * 4 + 1024;
