@@ -33,36 +33,47 @@ struct Capture {
 #endif
 
 // ------------------------------------------------------------------ capture reads
-JITATTN_VARIANT_FN bool in_bounds(const Capture& c, int i0, int i1, int i2, int i3) {
-  return unsigned(i0) < unsigned(c.size[0]) && unsigned(i1) < unsigned(c.size[1]) &&
-         unsigned(i2) < unsigned(c.size[2]) && unsigned(i3) < unsigned(c.size[3]);
-}
-
-// The element at an index in bounds (the loads below check first: torch builds with
-// __CUDA_NO_HALF_CONVERSIONS__, so a half has no T(0) to return here).
-template <class T>
-JITATTN_VARIANT_FN T element(const Capture& c, int i0, int i1, int i2, int i3) {
+// The raw bits of the element at an index, 0 outside the capture (torch builds with
+// __CUDA_NO_HALF_CONVERSIONS__, so a half has no T(0): the loads below convert the bits).
+// Outside, the read loads the capture's first element (or, from an empty one, whose data the
+// binding passes as null, a zero) and drops it: every read is one plain load with no branch
+// around it, so the compiler shares equal reads (a relative-position table's along a diagonal),
+// which it does for neither a load behind a branch nor __ldg (notes/variants-h100.md, "capture reads").
+template <class Bits>
+JITATTN_VARIANT_FN Bits bits_at(const Capture& c, int i0, int i1, int i2, int i3) {
+  const bool inside = (unsigned(i0) < unsigned(c.size[0])) & (unsigned(i1) < unsigned(c.size[1])) &
+                      (unsigned(i2) < unsigned(c.size[2])) & (unsigned(i3) < unsigned(c.size[3]));
   const int64_t at = i0 * c.stride[0] + i1 * c.stride[1] + i2 * c.stride[2] + i3 * c.stride[3];
-  return static_cast<const T*>(c.data)[at];
+#ifdef __CUDA_ARCH__
+  static const Bits zero = 0;  // in global memory, once per type
+  const Bits* base = c.data ? static_cast<const Bits*>(c.data) : &zero;
+  const Bits value = base[inside ? at : 0];
+  return inside ? value : Bits(0);
+#else
+  return inside ? static_cast<const Bits*>(c.data)[at] : Bits(0);
+#endif
 }
 
 JITATTN_VARIANT_FN float load_float32(const Capture& c, int i0 = 0, int i1 = 0, int i2 = 0, int i3 = 0) {
-  return in_bounds(c, i0, i1, i2, i3) ? element<float>(c, i0, i1, i2, i3) : 0.f;
+  const uint32_t bits = bits_at<uint32_t>(c, i0, i1, i2, i3);
+  float value;
+  __builtin_memcpy(&value, &bits, 4);
+  return value;
 }
 JITATTN_VARIANT_FN float load_float16(const Capture& c, int i0 = 0, int i1 = 0, int i2 = 0, int i3 = 0) {
-  return in_bounds(c, i0, i1, i2, i3) ? __half2float(element<__half>(c, i0, i1, i2, i3)) : 0.f;
+  return __half2float(__ushort_as_half(bits_at<unsigned short>(c, i0, i1, i2, i3)));
 }
 JITATTN_VARIANT_FN float load_bfloat16(const Capture& c, int i0 = 0, int i1 = 0, int i2 = 0, int i3 = 0) {
-  return in_bounds(c, i0, i1, i2, i3) ? __bfloat162float(element<__nv_bfloat16>(c, i0, i1, i2, i3)) : 0.f;
+  return __bfloat162float(__ushort_as_bfloat16(bits_at<unsigned short>(c, i0, i1, i2, i3)));
 }
 JITATTN_VARIANT_FN int load_int32(const Capture& c, int i0 = 0, int i1 = 0, int i2 = 0, int i3 = 0) {
-  return in_bounds(c, i0, i1, i2, i3) ? element<int32_t>(c, i0, i1, i2, i3) : 0;
+  return int(bits_at<uint32_t>(c, i0, i1, i2, i3));
 }
 JITATTN_VARIANT_FN int load_int64(const Capture& c, int i0 = 0, int i1 = 0, int i2 = 0, int i3 = 0) {
-  return in_bounds(c, i0, i1, i2, i3) ? int(uint32_t(uint64_t(element<int64_t>(c, i0, i1, i2, i3)))) : 0;
+  return int(uint32_t(bits_at<uint64_t>(c, i0, i1, i2, i3)));
 }
 JITATTN_VARIANT_FN bool load_bool(const Capture& c, int i0 = 0, int i1 = 0, int i2 = 0, int i3 = 0) {
-  return in_bounds(c, i0, i1, i2, i3) && element<uint8_t>(c, i0, i1, i2, i3) != 0;
+  return bits_at<uint8_t>(c, i0, i1, i2, i3) != 0;
 }
 
 // ------------------------------------------------------------------ ints (32-bit, wrapping)
