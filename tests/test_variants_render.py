@@ -254,8 +254,23 @@ def test_a_bias_affine_in_kv_idx_renders_its_slope_per_row_and_others_none():
     assert "load_float32(caps[0], h)" in slope_body and "kv_idx" not in slope_body and "-inv_scale" in slope_body
 
 
+def test_pair_reads_marks_a_table_read_at_both_positions_only():
+    slopes, table, per_key = torch.rand(4), torch.rand(4, 9), torch.rand(64)
+    cases = {
+        (lambda s, b, h, q, kv: s + table[h, q - kv + 4]): True,
+        (lambda s, b, h, q, kv: s + table[h, (q - kv).abs().clamp(max=8)]): True,
+        (lambda s, b, h, q, kv: s + slopes[h] * (kv - q)): False,  # positions outside the read
+        (lambda s, b, h, q, kv: s + per_key[kv] + slopes[q % 4]): False,  # each read varies along one side
+        (lambda s, b, h, q, kv: s * 2): False,
+    }
+    for fn, want in cases.items():
+        v = trace_score_mod(fn)
+        assert render.pair_reads(v) is want, v.key_text
+        assert f"PAIR_READS = {'true' if want else 'false'};" in render_score_mod(v)
+
+
 ALLOWED_WORDS = set("""
-struct static constexpr bool ACTIVE KV_AFFINE kv_slope true false const jitattn_variant Capture caps float int scale
+struct static constexpr bool ACTIVE KV_AFFINE PAIR_READS kv_slope true false const jitattn_variant Capture caps float int scale
 inv_scale template
 class Params __device__ __forceinline__ __host__ explicit p captures nullptr score s b h q_idx kv_idx return dscore sc
 MaskMod ScoreMod DATA_DEPENDENT USES_HEAD pack visible TileClass classify kv_head q_lo q_hi kv_lo kv_hi TILE_EMPTY TILE_FULL TILE_PARTIAL

@@ -323,6 +323,19 @@ def kv_affine(v: Variant) -> tuple | None:
     return None if slope is None or slope == _ZERO else (bias[0], slope)
 
 
+def pair_reads(v: Variant) -> bool:
+    """Whether ``v`` reads a captured tensor at an index of both q_idx and kv_idx (a relative
+    position table, bias[h, q_idx - kv_idx + C]): per logit, unless the kernel lets the compiler
+    see that equal q_idx - kv_idx are one read (score.cuh's PAIR_READS)."""
+    shared = Shared(v.tree, v.captures)
+    for node in shared.nodes:
+        if node[0] == "load":
+            inside = Shared(node, v.captures).nodes
+            if ("arg", "q_idx") in inside and _KV in inside:
+                return True
+    return False
+
+
 def render_score_mod(v: Variant, qualifiers: str = "__device__ __forceinline__") -> str:
     """The ScoreMod struct for score_mod ``v``: score(s, ...) = f(scale * s) / scale and
     dscore(s, sc, ...) = f'(scale * s), sharing what it can with sc (score()'s value)."""
@@ -354,6 +367,7 @@ def render_score_mod(v: Variant, qualifiers: str = "__device__ __forceinline__")
         "struct ScoreMod {\n"
         "  static constexpr bool ACTIVE = true;\n"
         f"  static constexpr bool KV_AFFINE = {literal(affine is not None)};\n"
+        f"  static constexpr bool PAIR_READS = {literal(pair_reads(v))};\n"
         "  const jitattn_variant::Capture* caps;\n"
         "  float scale, inv_scale;\n"
         "  template <class Params>\n"

@@ -172,6 +172,23 @@ __device__ __forceinline__ void scored_probs_to_dscores(const BwdParams& p, cons
   // The thread's query columns, base + 8 t and base + 8 t + 1, stepped rather than divided by
   // pack per element (a user score_mod reads their token and head).
   const int base = m * BLOCK_M + q0 + 2 * c, first_head = w.kv_head * p.pack;
+  if constexpr (ScoreMod::PAIR_READS) {
+    if (p.pack == 1) {  // a column is a token: q_idx = the thread's first + a constant (score.cuh)
+      const int q_first = variant_q_idx(w, w.q_start + base);
+#pragma unroll
+      for (int t = 0; t < TILES; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int kv = w.n0 + key0 + g + 8 * (e / 2), q_idx = q_first + 8 * t + (e & 1);
+          const float raw = s[t][e];
+          const float score = score_mod.score(raw, w.seq, w.kv_head, q_idx, kv);
+          s[t][e] = fast_exp2(fmaf(score, sl2, -((e & 1) ? l[t].y : l[t].x)));
+          dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? d[t].y : d[t].x)) *
+                     score_mod.dscore(raw, score, w.seq, w.kv_head, q_idx, kv);
+        }
+      return;
+    }
+  }
   PackedRow<8> even(p.pack, w.q_start, base), odd(p.pack, w.q_start, base + 1);
 #pragma unroll
   for (int t = 0; t < TILES; ++t) {

@@ -42,6 +42,20 @@ __device__ __forceinline__ void score_tile(const VarlenParams& p, const Work& w,
       }
     return;
   }
+  if constexpr (ScoreMod::PAIR_READS) {
+    if (p.pack == 1) {  // a row is a token: q_idx = the thread's first + a constant per row
+      const int q0 = variant_q_idx(w, w.q_start + w.m0 + row0 + g);
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            s[mt][nt][e] = score_mod.score(s[mt][nt][e], w.seq, w.kv_head, q0 + mt * 16 + (e / 2) * 8,
+                                           n0 + col0 + nt * 8 + 2 * c + (e & 1));
+      return;
+    }
+  }
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll

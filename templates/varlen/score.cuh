@@ -10,10 +10,14 @@
 // function) is inactive: every use of it compiles away. KV_AFFINE: score(s, b, h, q_idx, kv_idx)
 // = s + kv_slope(b, h, q_idx) * kv_idx + (a part free of kv_idx), which the forward's tile loop
 // turns into one FMA per logit (fwd_softmax.cuh's score_tile); only a user's bias can be.
+// PAIR_READS: score() reads a captured tensor at an index of both q_idx and kv_idx (a relative
+// position table); without GQA packing the kernels then step q_idx by constants, so that the
+// compiler sees equal q_idx - kv_idx as one read.
 
 struct IdentityScore {
   static constexpr bool ACTIVE = false;
   static constexpr bool KV_AFFINE = false;
+  static constexpr bool PAIR_READS = false;
   template <class Params>
   __device__ __forceinline__ explicit IdentityScore(const Params&) {}
   __device__ __forceinline__ float score(float s, int, int, int, int) const { return s; }
@@ -30,6 +34,7 @@ constexpr bool EXACT_SOFT_CAP = JITATTN_EXACT_SOFT_CAP;  // (set by the entry te
 struct SoftCapScore {
   static constexpr bool ACTIVE = true;
   static constexpr bool KV_AFFINE = false;
+  static constexpr bool PAIR_READS = false;
   float cap_scale;
   template <class Params>
   __device__ __forceinline__ explicit SoftCapScore(const Params& p) : cap_scale(p.cap_scale) {}
