@@ -254,3 +254,16 @@ def test_capture_on_another_device_or_requiring_grad_is_refused():
         jitattn.varlen_attn(*b.args(), score_mod=gallery.alibi(torch.rand(2, device=DEVICE, requires_grad=True)))
     with pytest.raises(ValueError, match="softcap and score_mod"):
         jitattn.varlen_attn(*b.args(), softcap=30.0, score_mod=gallery.relative_position)
+
+
+def test_reads_outside_a_capture_and_of_an_empty_one_are_zeros():
+    """A table read past its ends (the 2 * 5 + 1 band, keys up to 300 apart) and reads of an empty
+    capture (the binding passes its data as null) give 0, forward and backward, with and
+    without GQA packing (the shared-read path runs without it)."""
+    band = torch.randn(4, 11, device=DEVICE)
+    empty = torch.empty(4, 0, device=DEVICE)
+    for h_kv in (4, 2):
+        b = make_batch(LEN_Q, LEN_K, 4, h_kv, 64, BF16, seed=11 + h_kv)
+        for table in (band, empty):
+            _check_forward_and_backward(b, gallery.bias_table(table, 5), None, BF16,
+                                        f"table {tuple(table.shape)} h_kv {h_kv}")
