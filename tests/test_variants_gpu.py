@@ -257,13 +257,24 @@ def test_capture_on_another_device_or_requiring_grad_is_refused():
 
 
 def test_reads_outside_a_capture_and_of_an_empty_one_are_zeros():
-    """A table read past its ends (the 2 * 5 + 1 band, keys up to 300 apart) and reads of an empty
-    capture (the binding passes its data as null) give 0, forward and backward, with and
-    without GQA packing (the shared-read path runs without it)."""
+    """A table read past its ends (a band of 2 * 5 + 1, keys up to 300 apart) and reads of an
+    empty capture (the binding passes its data as null) give 0, forward and backward, with and
+    without GQA packing (the shared-read path runs without it). The reference, which refuses
+    such reads as torch does, gets the band zero-padded to every distance, and no score_mod."""
     band = torch.randn(4, 11, device=DEVICE)
-    empty = torch.empty(4, 0, device=DEVICE)
+    reach = max(LEN_K)
+    padded = torch.zeros(4, 2 * reach + 1, device=DEVICE)
+    padded[:, reach - 5:reach + 6] = band
     for h_kv in (4, 2):
         b = make_batch(LEN_Q, LEN_K, 4, h_kv, 64, BF16, seed=11 + h_kv)
-        for table in (band, empty):
-            _check_forward_and_backward(b, gallery.bias_table(table, 5), None, BF16,
-                                        f"table {tuple(table.shape)} h_kv {h_kv}")
+        for table, same_as in ((band, gallery.bias_table(padded, reach)), (torch.empty(4, 0, device=DEVICE), None)):
+            what = f"table {tuple(table.shape)} h_kv {h_kv}"
+            query, key, value = (t.detach().requires_grad_(True) for t in (b.query, b.key, b.value))
+            out, lse = jitattn.varlen_attn(query, key, value, *b.args()[3:], enable_gqa=b.enable_gqa,
+                                           score_mod=gallery.bias_table(table, 5),
+                                           return_aux=jitattn.AuxRequest(lse=True))
+            grad_out = torch.randn_like(out)
+            ref_out, ref_lse, ref_grads = _reference(b, same_as, None, grad_out=grad_out)
+            with torch.no_grad():
+                check(b, out.detach(), lse.detach(), (ref_out, ref_lse), f"{what} forward")
+            _check_grads(torch.autograd.grad(out, (query, key, value), grad_out), ref_grads, BF16, f"{what} backward")
