@@ -46,34 +46,28 @@ __device__ __forceinline__ void load_kv(const BwdParams& p, const Work& w, uint4
   }
 }
 
-// A stage's per-row stats: lse2 and delta, and with a KV_AFFINE score (score.cuh) its two row
-// terms (store_affine_terms): [STAT_ARRAYS][BLOCK_M].
-constexpr int STAT_ARRAYS = ScoreMod::KV_AFFINE ? 4 : 2;
+// A stage's per-row stats: lse2 and delta, and with a KV_AFFINE score (score.cuh) its slope:
+// [STAT_ARRAYS][BLOCK_M] (affine_row_terms). One more array is all the D128 wgmma rung's shared
+// memory has room for (80 bytes left with it, beside the static barriers).
+constexpr int STAT_ARRAYS = ScoreMod::KV_AFFINE ? 3 : 2;
 
-// A KV_AFFINE score's terms of packed row pr for the key tile at w.n0, in stats[2 * BLOCK_M + row]
-// and stats[3 * BLOCK_M + row]: its slope along the keys and its score at kv_idx = n0 with s = 0,
-// both times scale_log2. The row's logit at key n0 + j (log2 units) is then
-// s * scale_log2 + slope2 * j + bias2, two FMAs (affine_scores_to_probs) instead of the hook per
-// element: the forward's split (fwd_softmax.cuh) with the key tile's first key as origin, so the
-// terms stay the size of the bias near the tile. Zeros past the sequence's rows.
-__device__ __forceinline__ void store_affine_terms(const BwdParams& p, const Work& w, int pr, float* stats, int row) {
-  if constexpr (ScoreMod::KV_AFFINE) {
-    float slope2 = 0.f, bias2 = 0.f;
-    if (pr < w.rows) {
-      const ScoreMod score_mod(p);
-      const TokenHead th = packed_row(pr, p.pack, w.q_start, w.kv_head);
-      const int q_idx = variant_q_idx(w, th.token);
-      slope2 = score_mod.kv_slope(w.seq, th.head, q_idx) * p.scale_log2;
-      bias2 = score_mod.score(0.f, w.seq, th.head, q_idx, w.n0) * p.scale_log2;
-    }
-    stats[2 * BLOCK_M + row] = slope2;
-    stats[3 * BLOCK_M + row] = bias2;
-  }
+// A KV_AFFINE score's terms of packed row pr for the key tile at w.n0: its slope along the keys and
+// its score at kv_idx = n0 with s = 0, both times scale_log2 (.x, .y). The row's logit at key
+// n0 + j (log2 units) is then s * scale_log2 + slope2 * j + bias2: the stats hold slope2 in their
+// third array and lse2 - bias2 in place of lse2, so that a recomputed probability costs two FMAs
+// (affine_scores_to_probs) instead of the hook per element. The forward's split (fwd_softmax.cuh)
+// with the key tile's first key as origin, so the terms stay the size of the bias near the tile.
+__device__ __forceinline__ float2 affine_row_terms(const BwdParams& p, const Work& w, int pr) {
+  const ScoreMod score_mod(p);
+  const TokenHead th = packed_row(pr, p.pack, w.q_start, w.kv_head);
+  const int q_idx = variant_q_idx(w, th.token);
+  return make_float2(score_mod.kv_slope(w.seq, th.head, q_idx) * p.scale_log2,
+                     score_mod.score(0.f, w.seq, th.head, q_idx, w.n0) * p.scale_log2);
 }
 
 // Query tile m's Q and dO rows (zero past the sequence) and its lse2 / delta (+inf / 0 past it,
-// so those rows get P = 0 even where no mask runs): stats[row] and stats[BLOCK_M + row] (and
-// the affine terms: store_affine_terms).
+// so those rows get P = 0 even where no mask runs): stats[row] and stats[BLOCK_M + row] (with a
+// KV_AFFINE score, lse2 less the row's bias, read at once, and the slope: affine_row_terms).
 template <typename Layout, int THREADS_>
 __device__ __forceinline__ void load_query_tile(const BwdParams& p, const Work& w, int m, uint4* q_smem,
                                                 uint4* do_smem, float* stats, int tid) {
@@ -99,13 +93,19 @@ __device__ __forceinline__ void load_query_tile(const BwdParams& p, const Work& 
     const int pr = pr0 + row;
     if (pr < w.rows) {
       const int64_t at = accum_row(p, w, pr);
-      cp_async_4(stats + row, p.lse2 + at);
+      if constexpr (ScoreMod::KV_AFFINE) {
+        const float2 terms = affine_row_terms(p, w, pr);
+        stats[row] = p.lse2[at] - terms.y;
+        stats[2 * BLOCK_M + row] = terms.x;
+      } else {
+        cp_async_4(stats + row, p.lse2 + at);
+      }
       cp_async_4(stats + BLOCK_M + row, p.delta + at);
     } else {
       stats[row] = INFINITY;
       stats[BLOCK_M + row] = 0.f;
+      if constexpr (ScoreMod::KV_AFFINE) stats[2 * BLOCK_M + row] = 0.f;
     }
-    store_affine_terms(p, w, pr, stats, row);
   }
 }
 
@@ -127,9 +127,9 @@ __device__ __forceinline__ void scores_to_probs(float (&s)[TILES][4], const floa
     for (int e = 0; e < 4; ++e) s[t][e] = fast_exp2(fmaf(s[t][e], sl2, -((e & 1) ? l[t].y : l[t].x)));
 }
 
-// With a KV_AFFINE score, S^T -> P^T in place from the stage's stats (lse2 and the row terms of
-// store_affine_terms) for the thread's keys key0 + g and + 8 of the tile: two FMAs an element.
-// The score's slope is 1 (score +- a bias), so dS^T is probs_to_dscores' as without a hook.
+// With a KV_AFFINE score, S^T -> P^T in place from the stage's stats (lse2 less the row's bias,
+// and its slope: affine_row_terms) for the thread's keys key0 + g and + 8 of the tile: two FMAs
+// an element. The score's slope is 1 (score +- a bias), so dS^T is probs_to_dscores' as without a hook.
 template <int TILES>
 __device__ __forceinline__ void affine_scores_to_probs(float (&s)[TILES][4], const float* stats, int q0, int c,
                                                        int key0, int g, float sl2) {
@@ -137,14 +137,12 @@ __device__ __forceinline__ void affine_scores_to_probs(float (&s)[TILES][4], con
 #pragma unroll
   for (int t = 0; t < TILES; ++t) {
     const int col = q0 + t * 8 + 2 * c;
-    const float2 lse2 = *reinterpret_cast<const float2*>(stats + col);
+    const float2 shift = *reinterpret_cast<const float2*>(stats + col);  // +inf past the rows: P = 0
     const float2 slope2 = *reinterpret_cast<const float2*>(stats + 2 * BLOCK_M + col);
-    const float2 bias2 = *reinterpret_cast<const float2*>(stats + 3 * BLOCK_M + col);
-    const float2 shift = make_float2(bias2.x - lse2.x, bias2.y - lse2.y);  // +inf lse2 past the rows: P = 0
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float a = (e & 1) ? slope2.y : slope2.x, b = (e & 1) ? shift.y : shift.x;
-      s[t][e] = fast_exp2(fmaf(s[t][e], sl2, fmaf(a, key[e / 2], b)));
+      s[t][e] = fast_exp2(fmaf(s[t][e], sl2, fmaf(a, key[e / 2], -b)));
     }
   }
 }

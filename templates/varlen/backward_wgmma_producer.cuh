@@ -97,9 +97,13 @@
             }
 #pragma unroll
             for (int k = 0; k < PER_LANE; ++k) {
+              if constexpr (ScoreMod::KV_AFFINE) {  // lse2 less the row's bias, and its slope
+                const float2 terms = affine_row_terms(p, w, m * BLOCK_M + lane + 32 * k);
+                l2[k] -= terms.y;
+                st[2 * BLOCK_M + lane + 32 * k] = terms.x;
+              }
               st[lane + 32 * k] = l2[k];
               st[BLOCK_M + lane + 32 * k] = dl[k];
-              store_affine_terms(p, w, m * BLOCK_M + lane + 32 * k, st, lane + 32 * k);
             }
           } else {
             if (q == 0) wait_for_prerequisite_grid();
