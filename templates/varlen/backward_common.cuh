@@ -232,7 +232,7 @@ __device__ __forceinline__ void mask_hidden(const BwdParams& p, const Work& w, i
       bool hidden = d < lo[e / 2] || d > hi[e / 2];
       if constexpr (MaskMod::ACTIVE) {  // the mask hook (mask.cuh)
         const PackedRow<8>& col = (e & 1) ? odd : even;
-        hidden = hidden || (hook && !mask_mod_of(p).visible(w.seq, w.kv_head * p.pack + col.head,
+        hidden = hidden | (hook & !mask_mod_of(p).visible(w.seq, w.kv_head * p.pack + col.head,
                                                              variant_q_idx(w, col.token), w.n0 + key0 + g + 8 * (e / 2)));
       }
       if (hidden) pt[t][e] = ds[t][e] = 0.f;

@@ -370,7 +370,7 @@ __global__ void __launch_bounds__(DQ_THREADS, 1) varlen_bwd_dq(const __grid_cons
           bool hidden = key < keys[e / 2].lo || key >= keys[e / 2].hi;
           if constexpr (MaskMod::ACTIVE) {  // the mask hook (mask.cuh)
             const TokenHead th = packed_row(pr0 + 8 * (e / 2), p.pack, w.q_start, w.kv_head);
-            hidden = hidden || !mask_mod_of(p).visible(w.seq, th.head, variant_q_idx(w, th.token), key);
+            hidden = hidden | !mask_mod_of(p).visible(w.seq, th.head, variant_q_idx(w, th.token), key);
           }
           if (hidden) dp4[t][e] = 0.f;
         }
