@@ -100,12 +100,12 @@ __device__ __forceinline__ void mask_tile(const VarlenParams& p, const Work& w, 
         for (int e = 2 * h; e < 2 * h + 2; ++e) {
           const int col = n0 + col0 + nt * 8 + 2 * c + (e & 1);
           bool hidden = col < keys.lo || col >= keys.hi;
-          // | and &, not || and &&: the mask's reads are safe at any index (variant.cuh's bits_at),
-          // and short-circuits cost a branch per element and unshared reads (3x the PTX branches,
-          // 1.20x the built-in's cold compile against 1.13x: notes/variants-h100.md).
+          // || and && here, not the backward's | and &: branch-free, the document mask's forward
+          // measured 6-10% slower on the H100, though its cold compile drops from 1.20x the
+          // built-in's to 1.13x (notes/variants-h100.md, sixth session).
           if constexpr (MaskMod::ACTIVE)
-            hidden = hidden |
-                     (hook & !mask_mod.visible(w.seq, packed_row(pr, p.pack, w.q_start, w.kv_head).head, r + off, col));
+            hidden = hidden ||
+                     (hook && !mask_mod.visible(w.seq, packed_row(pr, p.pack, w.q_start, w.kv_head).head, r + off, col));
           if (hidden) s[mt][nt][e] = -INFINITY;
         }
     }
