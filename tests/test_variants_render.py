@@ -592,3 +592,33 @@ def test_a_call_builds_its_mask_map_only_where_it_pays_and_stays_bounded():
     per_head = mask_map_layout(VarlenSpec(head_dim=128, dtype="bfloat16", mask_mod=by_head))
     assert mask_map_flag(per_head, 10 ** 6, tile, units // 8, 8) == (True,)
     assert mask_map_flag(per_head, 10 ** 6, tile, units // 8 + 1, 8) == (False,)
+
+
+@pytest.mark.compile
+def test_a_shared_memory_limit_the_runtime_refuses_is_an_error_naming_the_kernel(tmp_path):
+    """common/launch.cuh's allow_dynamic_smem, which the varlen kernels call instead of ignoring
+    cudaFuncSetAttribute's result (a template that outgrew its shared memory failed at launch with
+    a bare "invalid argument"): built and run on this GPU-less host, the runtime refuses and the
+    error names the kernel and the runtime's reason."""
+    compiler = nvcc()
+    (tmp_path / "probe.cu").write_text("""#include "common/launch.cuh"
+#include <cstdio>
+__global__ void probe_kernel() {}
+int main() {
+  try {
+    jitattn::allow_dynamic_smem(probe_kernel, 300 * 1024, "probe's kernel", 0);
+    std::printf("no error\\n");
+  } catch (const std::runtime_error& e) {
+    std::printf("%s\\n", e.what());
+  }
+  return 0;
+}
+""")
+    built = subprocess.run([compiler, "-std=c++17", "-I", TEMPLATES.rsplit("/", 1)[0], "probe.cu", "-o", "probe"], cwd=tmp_path,
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-3000:]
+    ran = subprocess.run([str(tmp_path / "probe")], capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0, ran.stderr
+    message = ran.stdout.strip()
+    assert message.startswith("probe's kernel") and message != "no error", message
+    assert len(message) > len("probe's kernel: "), message  # the runtime's reason (no device here), or the sizes

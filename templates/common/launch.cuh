@@ -6,8 +6,29 @@
 // visible (at once when there is no such kernel).
 #pragma once
 #include <cuda_runtime.h>
+#include <stdexcept>
+#include <string>
 
 namespace jitattn {
+
+// Let `kernel` take `bytes` of dynamic shared memory. A kernel whose dynamic and static shared
+// memory together pass what a block may use on the device gets an error that names them here,
+// not a launch's bare "invalid argument" later (a template change that outgrew the budget).
+template <typename Kernel>
+void allow_dynamic_smem(Kernel kernel, int bytes, const char* name, int device) {
+  const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (status == cudaSuccess) return;
+  cudaGetLastError();  // clear a non-sticky error for the caller's later checks
+  if (status != cudaErrorInvalidValue)  // e.g. an earlier launch's error, reported here
+    throw std::runtime_error(std::string(name) + ": " + cudaGetErrorString(status));
+  cudaFuncAttributes attributes = {};
+  cudaFuncGetAttributes(&attributes, kernel);
+  int limit = 0;
+  cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  throw std::runtime_error(std::string(name) + " needs " + std::to_string(bytes) + " bytes of dynamic shared memory beside " +
+                           std::to_string(attributes.sharedSizeBytes) + " static, and a block may use " +
+                           std::to_string(limit) + " on device " + std::to_string(device));
+}
 
 __device__ __forceinline__ void allow_dependent_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
