@@ -233,7 +233,7 @@ __device__ __forceinline__ void mask_hidden(const BwdParams& p, const Work& w, i
       if constexpr (MaskMod::ACTIVE) {  // the mask hook (mask.cuh)
         const PackedRow<8>& col = (e & 1) ? odd : even;
         // | and &: the reads are safe at any index (variant.cuh), and short-circuits cost a branch
-        // and unshared reads per element (cold compile 1.12x the built-in's, against 1.14x).
+        // and unshared reads per element: a slower compile, no faster run (notes/variants-h100.md).
         hidden = hidden | (hook & !mask_mod_of(p).visible(w.seq, w.kv_head * p.pack + col.head,
                                                              variant_q_idx(w, col.token), w.n0 + key0 + g + 8 * (e / 2)));
       }

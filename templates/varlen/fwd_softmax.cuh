@@ -101,8 +101,7 @@ __device__ __forceinline__ void mask_tile(const VarlenParams& p, const Work& w, 
           const int col = n0 + col0 + nt * 8 + 2 * c + (e & 1);
           bool hidden = col < keys.lo || col >= keys.hi;
           // || and && here, not the backward's | and &: branch-free, the document mask's forward
-          // measured 6-10% slower on the H100, though its cold compile drops from 1.20x the
-          // built-in's to 1.13x (notes/variants-h100.md, sixth session).
+          // ran slower, though it compiled faster (notes/variants-h100.md, sixth session).
           if constexpr (MaskMod::ACTIVE)
             hidden = hidden ||
                      (hook && !mask_mod.visible(w.seq, packed_row(pr, p.pack, w.q_start, w.kv_head).head, r + off, col));
