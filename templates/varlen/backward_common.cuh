@@ -167,23 +167,24 @@ __device__ __forceinline__ void scored_probs_to_dscores(const BwdParams& p, cons
                                                         const float2 (&l)[TILES], const float2 (&d)[TILES],
                                                         float sl2) {
   const ScoreMod score_mod(p);
+  // Element (t, e) of query head `head` and position q_idx: P^T, then dS^T times the hook's slope.
+  auto element = [&](int t, int e, int head, int q_idx) {
+    const int kv = w.n0 + key0 + g + 8 * (e / 2);
+    const float raw = s[t][e];
+    const float score = score_mod.score(raw, w.seq, head, q_idx, kv);
+    s[t][e] = fast_exp2(fmaf(score, sl2, -((e & 1) ? l[t].y : l[t].x)));
+    dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? d[t].y : d[t].x)) * score_mod.dscore(raw, score, w.seq, head, q_idx, kv);
+  };
   // The thread's query columns, base + 8 t and base + 8 t + 1, stepped rather than divided by
   // pack per element (a user score_mod reads their token and head).
-  const int base = m * BLOCK_M + q0 + 2 * c, first_head = w.kv_head * p.pack;
+  const int base = m * BLOCK_M + q0 + 2 * c;
   if constexpr (ScoreMod::PAIR_READS) {
     if (p.pack == 1) {  // a column is a token: q_idx = the thread's first + a constant (score.cuh)
       const int q_first = variant_q_idx(w, w.q_start + base);
 #pragma unroll
       for (int t = 0; t < TILES; ++t)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int kv = w.n0 + key0 + g + 8 * (e / 2), q_idx = q_first + 8 * t + (e & 1);
-          const float raw = s[t][e];
-          const float score = score_mod.score(raw, w.seq, w.kv_head, q_idx, kv);
-          s[t][e] = fast_exp2(fmaf(score, sl2, -((e & 1) ? l[t].y : l[t].x)));
-          dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? d[t].y : d[t].x)) *
-                     score_mod.dscore(raw, score, w.seq, w.kv_head, q_idx, kv);
-        }
+        for (int e = 0; e < 4; ++e) element(t, e, w.kv_head, q_first + 8 * t + (e & 1));
       return;
     }
   }
@@ -192,14 +193,8 @@ __device__ __forceinline__ void scored_probs_to_dscores(const BwdParams& p, cons
   for (int t = 0; t < TILES; ++t) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int kv = w.n0 + key0 + g + 8 * (e / 2);
       const PackedRow<8>& col = (e & 1) ? odd : even;
-      const float raw = s[t][e];
-      const int q_idx = variant_q_idx(w, col.token), head = first_head + col.head;
-      const float score = score_mod.score(raw, w.seq, head, q_idx, kv);
-      s[t][e] = fast_exp2(fmaf(score, sl2, -((e & 1) ? l[t].y : l[t].x)));
-      dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? d[t].y : d[t].x)) *
-                 score_mod.dscore(raw, score, w.seq, head, q_idx, kv);
+      element(t, e, w.kv_head * p.pack + col.head, variant_q_idx(w, col.token));
     }
     even.advance(p.pack);
     odd.advance(p.pack);
