@@ -100,8 +100,8 @@ __device__ __forceinline__ void mask_tile(const VarlenParams& p, const Work& w, 
         for (int e = 2 * h; e < 2 * h + 2; ++e) {
           const int col = n0 + col0 + nt * 8 + 2 * c + (e & 1);
           bool hidden = col < keys.lo || col >= keys.hi;
-          // || and && here, not the backward's | and &: branch-free, the document mask's forward
-          // ran slower, though it compiled faster (notes/variants-h100.md, sixth session).
+          // || and && here, not the backward's branch-free | and &: with those the document mask's
+          // forward ran slower, though it compiled faster (notes/variants-h100.md, sixth session).
           if constexpr (MaskMod::ACTIVE)
             hidden = hidden ||
                      (hook && !mask_mod.visible(w.seq, packed_row(pr, p.pack, w.q_start, w.kv_head).head, r + off, col));
