@@ -124,7 +124,7 @@
     // edge or the end of the keys (or that the mask hook cuts), the online softmax.
     const int n0 = tile * BLOCK_N;
     const int row0 = warp_m * M_TILES * 16, col0 = warp_n * WARP_N;
-    if constexpr (ScoreMod::ACTIVE) score_tile(p, w, s, n0, row0, col0, g, c);
+    if constexpr (ScoreMod::ACTIVE) score_tile(p, w, s, n0, row0, col0, g, c, affine);
     if (MASK == MASK_EDGE ||
         (MASK == MASK_CHECK && (n0 < w.mask_below || n0 + BLOCK_N > w.mask_above || mask_hook_cuts(p, w, n0))))
       mask_tile(p, w, s, n0, row0, col0, g, c);

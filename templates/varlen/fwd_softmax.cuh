@@ -20,26 +20,48 @@ __device__ __forceinline__ float full_lse2(const VarlenParams& p, const Work& w,
   return fmaf(left_out, scale_log2, lse2);  // -inf (no visible key) stays -inf
 }
 
-// The score hook on every logit of the tile (keys from n0; rows from the block's m0).
-__device__ __forceinline__ void score_tile(const VarlenParams& p, const Work& w, ScoreTile& s, int n0, int row0,
-                                           int col0, int g, int c) {
-  const ScoreMod score_mod(p);
+// A KV_AFFINE score's per-row terms for a thread's rows of row block w (row0: its warp's first),
+// read once per block rather than per key tile: each row's kv_slope (a read of a captured tensor
+// for ALiBi) and the block's origin. Empty for other scores.
+struct AffineRows {
+  float slope[ScoreMod::KV_AFFINE ? M_TILES : 1][2];
+  int origin;
+};
+
+__device__ __forceinline__ AffineRows affine_rows(const VarlenParams& p, const Work& w, int row0, int g) {
+  AffineRows rows{};
   if constexpr (ScoreMod::KV_AFFINE) {
-    // s + a * (kv_idx - origin), a per row: one FMA per logit; the column's offset is exact in
-    // fp32 (positions < 2^22: the variant's calls check), one conversion per tile.
-    const float base = float(n0 + col0 + 2 * c - affine_origin(p, w));
+    const ScoreMod score_mod(p);
+    rows.origin = affine_origin(p, w);
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const TokenHead th = packed_row(w.m0 + row0 + mt * 16 + h * 8 + g, p.pack, w.q_start, w.kv_head);
-        const float a = score_mod.kv_slope(w.seq, th.head, variant_q_idx(w, th.token));
+        rows.slope[mt][h] = score_mod.kv_slope(w.seq, th.head, variant_q_idx(w, th.token));
+      }
+  }
+  return rows;
+}
+
+// The score hook on every logit of the tile (keys from n0; rows from the block's m0; affine:
+// affine_rows of the same rows).
+__device__ __forceinline__ void score_tile(const VarlenParams& p, const Work& w, ScoreTile& s, int n0, int row0,
+                                           int col0, int g, int c, const AffineRows& affine) {
+  const ScoreMod score_mod(p);
+  if constexpr (ScoreMod::KV_AFFINE) {
+    // s + a * (kv_idx - origin), a per row: one FMA per logit; the column's offset is exact in
+    // fp32 (positions < 2^22: the variant's calls check), one conversion per tile.
+    const float base = float(n0 + col0 + 2 * c - affine.origin);
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
           for (int e = 2 * h; e < 2 * h + 2; ++e)
-            s[mt][nt][e] = fmaf(base + float(nt * 8 + (e & 1)), a, s[mt][nt][e]);
-      }
+            s[mt][nt][e] = fmaf(base + float(nt * 8 + (e & 1)), affine.slope[mt][h], s[mt][nt][e]);
     return;
   }
   if constexpr (ScoreMod::PAIR_READS) {
