@@ -120,6 +120,31 @@ def test_classify_reads_exact_loads_and_calls_document_tiles_inside_one_document
     assert interval.classify(v, 0, 0, 1, 0, 3, 0, 3) == interval.PARTIAL  # not exact: unknown, safe
 
 
+def test_classify_with_range_reads_settles_tiles_inside_and_between_documents():
+    """classify_warp's reads (ranges=True) take a read over an index range as its elements' span:
+    one document id on both sides is FULL, disjoint ids EMPTY, overlapping ones PARTIAL; past the
+    limit, or with two inexact indices, a read stays unknown."""
+    doc_id = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 2, 2]])
+    v = trace_mask_mod(lambda b, h, q, kv: doc_id[b, q] == doc_id[b, kv])
+    assert interval.classify(v, 0, 0, 1, 0, 3, 0, 3, ranges=True) == interval.FULL
+    assert interval.classify(v, 0, 0, 1, 0, 3, 4, 9, ranges=True) == interval.EMPTY
+    assert interval.classify(v, 0, 0, 1, 0, 5, 4, 7, ranges=True) == interval.PARTIAL
+    assert interval.classify(v, 0, 0, 1, 0, 3, 0, 3) == interval.PARTIAL  # classify(): exact reads only
+    assert interval.classify(v, 0, 0, 1, 8, 12, 8, 9, ranges=True) == interval.PARTIAL  # 0 read past the end
+    big = torch.zeros(1, interval.RANGE_READS + 1, dtype=torch.int32)
+    w = trace_mask_mod(lambda b, h, q, kv: big[b, q] == big[b, kv])
+    assert interval.classify(w, 0, 0, 1, 0, interval.RANGE_READS - 1, 0, 0, ranges=True) == interval.FULL
+    assert interval.classify(w, 0, 0, 1, 0, interval.RANGE_READS, 0, 0, ranges=True) == interval.PARTIAL
+    table = torch.zeros(4, 4, dtype=torch.int32)
+    two = trace_mask_mod(lambda b, h, q, kv: table[q, kv] == 0)
+    assert interval.classify(two, 0, 0, 1, 0, 1, 0, 1, ranges=True) == interval.PARTIAL
+    flags = torch.tensor([[True, True, False]])
+    u = trace_mask_mod(lambda b, h, q, kv: flags[b, kv])
+    assert interval.classify(u, 0, 0, 1, 0, 5, 0, 1, ranges=True) == interval.FULL
+    assert interval.classify(u, 0, 0, 1, 0, 5, 2, 2, ranges=True) == interval.EMPTY
+    assert interval.classify(u, 0, 0, 1, 0, 5, 1, 2, ranges=True) == interval.PARTIAL
+
+
 def random_mask_tree(rng, depth=0):
     """A random bool tree over int arithmetic (wrapping, floor division, loads of capture 0, an
     int32 (N_HEADS, N_TOKENS) table, read out of range too) and the odd float comparison."""
@@ -161,11 +186,12 @@ def test_classify_is_sound_on_random_masks():
         v = Variant("mask_mod", random_mask_tree(rng), (("int32", 2),), (table,))
         for _ in range(8):
             box = random_box(rng, rng.choice([1, 2]))
-            verdict = interval.classify(v, *box)
             any_visible, any_hidden = brute_force(v, *box)
-            assert not (verdict == interval.EMPTY and any_visible), (v.key_text, box)
-            assert not (verdict == interval.FULL and any_hidden), (v.key_text, box)
-            checked += verdict != interval.PARTIAL
+            for ranges in (False, True):  # classify, classify_warp
+                verdict = interval.classify(v, *box, ranges=ranges)
+                assert not (verdict == interval.EMPTY and any_visible), (v.key_text, box, ranges)
+                assert not (verdict == interval.FULL and any_hidden), (v.key_text, box, ranges)
+                checked += verdict != interval.PARTIAL
     assert checked > 0  # the analysis decides some tiles, not only PARTIAL
 
 
@@ -276,6 +302,7 @@ class Params __device__ __forceinline__ __host__ explicit p captures nullptr sco
 MaskMod ScoreMod DATA_DEPENDENT USES_HEAD pack visible TileClass classify kv_head q_lo q_hi kv_lo kv_hi TILE_EMPTY TILE_FULL TILE_PARTIAL
 may_true may_false lo hi long INFINITY IInt IBool IFloat The user s score_mod mask_mod rendered by jitattn variants
 render py from the tree returns f scale dscore per element tile interval analysis sound e fmaf
+classify_warp also reads captures over index ranges by the whole warp mask map i0 i1 i2 i3 iv_read iv_bool_of
 """.split()) | {f"load_{d}" for d in ("float32", "float16", "bfloat16", "int32", "int64", "bool")} | \
     set(render.INT_FUNCTIONS.values()) | set(render.FLOAT_FUNCTIONS.values()) | {"fminimum", "fmaximum"} | \
     {f"iv_{op}" for op in ("exact", "full", "is_exact", "bool", "unknown", "add", "sub", "mul", "neg", "abs", "min",
@@ -292,7 +319,7 @@ def test_rendered_code_uses_only_jitattns_own_words_on_random_trees():
             v = Variant(kind, random_valid_tree(rng, kind), (("float32", 1), ("int32", 2)))
             source = render_score_mod(v) if kind == "score_mod" else render_mask_mod(v)
             comments = [line for line in source.splitlines() if line.startswith("//")]
-            assert f"// {v.digest}: " in source and len(comments) == 2
+            assert f"// {v.digest}: " in source and len(comments) == (3 if kind == "mask_mod" else 2)
             code = "\n".join(line for line in source.splitlines() if not line.startswith("//"))
             words = set(re.findall(r"[A-Za-z_]\w*", code))
             stray = {w for w in words - ALLOWED_WORDS if not re.fullmatch(r"[tdva]\d+|f|e\d*", w)}
@@ -414,8 +441,9 @@ def test_a_host_build_of_the_rendered_code_agrees_with_the_mirror_and_the_refere
                          f" const float bwd = affine ? {split.replace('ORIGIN', '(kv & ~127)')} : y;"
                          f" printf(\"%.9g %.9g %.9g %.9g\\n\", y, m.dscore(s, y, b, h, q, kv), fwd, bwd); break; }}")
         else:
-            cases.append(f"    case {i}: {{ const v{i}::MaskMod m(params[{i}]); printf(\"%d %d\\n\", "
-                         f"int(m.visible(b, h, q, kv)), int(m.classify(b, kvh, qlo, qhi, kvlo, kvhi))); break; }}")
+            cases.append(f"    case {i}: {{ const v{i}::MaskMod m(params[{i}]); printf(\"%d %d %d\\n\", "
+                         f"int(m.visible(b, h, q, kv)), int(m.classify(b, kvh, qlo, qhi, kvlo, kvhi)), "
+                         f"int(m.classify_warp(b, kvh, qlo, qhi, kvlo, kvhi))); break; }}")
     parts.append(f"static Params params[{len(variants)}];\nint main() {{\n" + "\n".join(setup) + """
   int i, b, h, q, kv, kvh, pack, qlo, qhi, kvlo, kvhi; float s, scale;
   while (scanf("%d %f %f %d %d %d %d %d %d %d %d %d %d", &i, &s, &scale, &b, &h, &q, &kv, &kvh, &pack, &qlo, &qhi,
@@ -453,8 +481,9 @@ def test_a_host_build_of_the_rendered_code_agrees_with_the_mirror_and_the_refere
         first, second, *split = line.split()
         if v.kind == "mask_mod":
             assert bool(int(first)) == bool(reference_mask(v, b, h, q, kv)), (v.key_text, b, h, q, kv)
-            verdict = [interval.EMPTY, interval.PARTIAL, interval.FULL][int(second)]
-            assert verdict == interval.classify(v, *box), (v.key_text, box)
+            for ranges, got in ((False, second), (True, split[0])):  # classify, classify_warp
+                verdict = [interval.EMPTY, interval.PARTIAL, interval.FULL][int(got)]
+                assert verdict == interval.classify(v, *box, ranges=ranges), (v.key_text, box, ranges)
             continue
         x = torch.tensor(s * scale, dtype=torch.float64)
         want = reference_score(v, x, b, h, q, kv).item()

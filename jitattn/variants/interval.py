@@ -8,11 +8,14 @@ ranges) each int node gets a range [lo, hi], each bool node (may_true, may_false
 - ranges are computed in 64-bit and widened to all of int32 when they leave it (the kernel's ints
   wrap there);
 - a captured tensor read at indices that are all exact (``prefix_len[b]``) is read, exactly;
-  otherwise an int read is any int32 and a bool read may be either;
+  otherwise an int read is any int32 and a bool read may be either, except in the mask map's
+  classify_warp (``ranges``): there a read whose one inexact index spans at most RANGE_READS
+  values is the [min, max] of the elements it spans (bools: whether any is true, any false);
 - floats are not tracked: a comparison that involves one may be either.
 
 Causal, sliding-window and prefix-LM masks classify boxes exactly (EMPTY / FULL whenever brute
-force says so); masks that compare two reads (document ids) are PARTIAL unless the reads are exact.
+force says so); masks that compare two reads (document ids) are PARTIAL unless the reads are exact,
+or (ranges) the ranges' values settle it: disjoint ids are EMPTY, one id on both sides FULL.
 The renderer (render.py) emits the same walk as C++ calls of the helpers these functions mirror.
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ UNKNOWN_BOOL = (True, True)
 FLOAT = ()  # floats carry no information
 
 EMPTY, PARTIAL, FULL = "TILE_EMPTY", "TILE_PARTIAL", "TILE_FULL"
+RANGE_READS = 1024  # variant.cuh's: the longest index range a ranges read spans
 
 
 def iv_fit(lo: int, hi: int) -> tuple:
@@ -187,9 +191,26 @@ def read(tensor, indices: list):
     return (int(value) + 2 ** 31) % 2 ** 32 - 2 ** 31
 
 
+def iv_read(tensor, indices: list, ranges: bool):
+    """A read over index intervals, as variant.cuh's iv_read (ranges) or classify's exact read;
+    ints give a range, bools (may_true, may_false)."""
+    is_bool = str(tensor.dtype) == "torch.bool"
+    spans = [k for k, i in enumerate(indices) if i[0] != i[1]]
+    if not spans:
+        element = read(tensor, [i[0] for i in indices])
+        return iv_bool(element) if is_bool else iv_exact(element)
+    k = spans[0]
+    if not ranges or len(spans) > 1 or indices[k][1] - indices[k][0] >= RANGE_READS:
+        return UNKNOWN_BOOL if is_bool else FULL_INT
+    at = [i[0] for i in indices]
+    values = [int(read(tensor, at[:k] + [x] + at[k + 1:])) for x in range(indices[k][0], indices[k][1] + 1)]
+    return (max(values) != 0, min(values) == 0) if is_bool else (min(values), max(values))
+
+
 def abstract(v: Variant, b: int, kv_head: int, pack: int, q_lo: int, q_hi: int, kv_lo: int, kv_hi: int,
-             tensors=None):
-    """The abstract value of ``v``'s tree over the tile (an int range, a bool pair or FLOAT)."""
+             tensors=None, ranges: bool = False):
+    """The abstract value of ``v``'s tree over the tile (an int range, a bool pair or FLOAT);
+    ranges: classify_warp's reads (iv_read)."""
     tensors = v.tensors if tensors is None else tuple(tensors)
     args = {"b": iv_exact(b), "h": (kv_head * pack, kv_head * pack + pack - 1), "q_idx": (q_lo, q_hi),
             "kv_idx": (kv_lo, kv_hi)}
@@ -203,14 +224,7 @@ def abstract(v: Variant, b: int, kv_head: int, pack: int, q_lo: int, q_hi: int, 
             c = const_value(node[1])
             value = FLOAT if kind == "float" else iv_bool(c) if kind == "bool" else iv_exact(c)
         elif op == "load":
-            exact = all(i[0] == i[1] for i in kids)
-            if kind == "float":
-                value = FLOAT
-            elif not exact:
-                value = FULL_INT if kind == "int" else UNKNOWN_BOOL
-            else:
-                element = read(tensors[node[1]], [i[0] for i in kids])
-                value = iv_exact(element) if kind == "int" else iv_bool(element)
+            value = FLOAT if kind == "float" else iv_read(tensors[node[1]], kids, ranges)
         elif kind == "float":
             value = FLOAT
         elif any(shared.type(c) == "float" for c in children(node)):
@@ -226,8 +240,8 @@ def abstract(v: Variant, b: int, kv_head: int, pack: int, q_lo: int, q_hi: int, 
 
 
 def classify(v: Variant, b: int, kv_head: int, pack: int, q_lo: int, q_hi: int, kv_lo: int, kv_hi: int,
-             tensors=None) -> str:
+             tensors=None, ranges: bool = False) -> str:
     """TILE_EMPTY / TILE_PARTIAL / TILE_FULL for mask_mod ``v`` over the tile, as the kernel's
-    classify() computes it."""
-    may_true, may_false = abstract(v, b, kv_head, pack, q_lo, q_hi, kv_lo, kv_hi, tensors)
+    classify() computes it (ranges: its classify_warp)."""
+    may_true, may_false = abstract(v, b, kv_head, pack, q_lo, q_hi, kv_lo, kv_hi, tensors, ranges)
     return EMPTY if not may_true else FULL if not may_false else PARTIAL

@@ -174,7 +174,13 @@ def float_positions(v: Variant) -> bool:
 
 
 class _IntervalEmitter(_Emitter):
-    """Emits classify's abstract values: variant.cuh's iv_* calls over the same nodes."""
+    """Emits classify's abstract values: variant.cuh's iv_* calls over the same nodes. ranges:
+    classify_warp's, whose int and bool reads over an index range take the range's elements
+    (iv_read, by the whole warp)."""
+
+    def __init__(self, shared: Shared, prefix: str, ranges: bool = False):
+        super().__init__(shared, prefix)
+        self.ranges = ranges
 
     def _inline(self, node: tuple) -> None:
         return None  # every value, leaves too, is an interval of its own
@@ -192,8 +198,13 @@ class _IntervalEmitter(_Emitter):
             return f"{NS}iv_bool({literal(c)})" if kind == "bool" else f"{NS}iv_exact({int_literal(c)})"
         if op == "load":
             indices = [self.value(i) for i in node[2:]]
+            load = f"{NS}load_{self.captures[node[1]][0]}"
+            if self.ranges:
+                lanes = f"[&](int i0, int i1, int i2, int i3) {{ return {load}(caps[{node[1]}], i0, i1, i2, i3); }}"
+                read = f"{NS}iv_read({lanes}{''.join(f', {i}' for i in indices)})"
+                return read if kind == "int" else f"{NS}iv_bool_of({read})"
             exact = " && ".join(f"{NS}iv_is_exact({i})" for i in indices) or "true"
-            read = f"{NS}load_{self.captures[node[1]][0]}(caps[{node[1]}]{''.join(f', int({i}.lo)' for i in indices)})"
+            read = f"{load}(caps[{node[1]}]{''.join(f', int({i}.lo)' for i in indices)})"
             if kind == "int":
                 return f"({exact}) ? {NS}iv_exact({read}) : {NS}iv_full()"
             return f"({exact}) ? {NS}iv_bool({read}) : {NS}iv_unknown()"
@@ -400,20 +411,28 @@ def render_mask_mod(v: Variant, qualifiers: str = "__device__ __forceinline__") 
         raise TypeError("render_mask_mod takes a mask_mod Variant")
     visible = _Emitter(Shared(v.tree, v.captures), "t")
     result = visible.value(v.tree)
-    tile = _IntervalEmitter(Shared(v.tree, v.captures), "v")
-    tile.defs.update({
-        tile.key(("arg", "b")): (IV_CTYPE["int"], f"{NS}iv_exact(b)"),
-        tile.key(("arg", "h")): (IV_CTYPE["int"], f"{NS}IInt{{(long long)kv_head * pack, "
-                                                  f"(long long)kv_head * pack + pack - 1}}"),
-        tile.key(("arg", "q_idx")): (IV_CTYPE["int"], f"{NS}IInt{{q_lo, q_hi}}"),
-        tile.key(("arg", "kv_idx")): (IV_CTYPE["int"], f"{NS}IInt{{kv_lo, kv_hi}}"),
-    })
-    verdict = tile.value(v.tree)
+
+    def interval_walk(ranges: bool) -> tuple[_IntervalEmitter, str]:
+        tile = _IntervalEmitter(Shared(v.tree, v.captures), "v", ranges)
+        tile.defs.update({
+            tile.key(("arg", "b")): (IV_CTYPE["int"], f"{NS}iv_exact(b)"),
+            tile.key(("arg", "h")): (IV_CTYPE["int"], f"{NS}IInt{{(long long)kv_head * pack, "
+                                                      f"(long long)kv_head * pack + pack - 1}}"),
+            tile.key(("arg", "q_idx")): (IV_CTYPE["int"], f"{NS}IInt{{q_lo, q_hi}}"),
+            tile.key(("arg", "kv_idx")): (IV_CTYPE["int"], f"{NS}IInt{{kv_lo, kv_hi}}"),
+        })
+        return tile, tile.value(v.tree)
+
+    tile, verdict = interval_walk(False)
     caps = "caps(p.captures), " if v.captures else "caps(nullptr), "
     reads, by_head = mask_map_needs(v)
+    # classify_warp: only a mask that reads captures has a map (mask_map.cuh) to call it
+    warp_tile, warp_verdict = interval_walk(True) if reads else (tile, verdict)
+    tile_args = "int b, int kv_head, int q_lo, int q_hi, int kv_lo, int kv_hi"
     return (
         "// The user's mask_mod, rendered by jitattn/variants/render.py from the tree\n"
-        f"// {v.digest}: visible() per element, classify() per tile (interval analysis, sound).\n"
+        f"// {v.digest}: visible() per element, classify() per tile (interval analysis, sound; classify_warp()\n"
+        "// also reads captures over index ranges, by the whole warp: the mask map's).\n"
         "struct MaskMod {\n"
         "  static constexpr bool ACTIVE = true;\n"
         f"  static constexpr bool DATA_DEPENDENT = {literal(reads)};\n"
@@ -425,7 +444,11 @@ def render_mask_mod(v: Variant, qualifiers: str = "__device__ __forceinline__") 
         f"  {qualifiers} bool visible({SCORE_ARGS}) const {{\n"
         f"{_body(visible)}    return {result};\n"
         "  }\n"
-        f"  {qualifiers} TileClass classify(int b, int kv_head, int q_lo, int q_hi, int kv_lo, int kv_hi) const {{\n"
+        f"  {qualifiers} TileClass classify({tile_args}) const {{\n"
         f"{_body(tile)}    return !{verdict}.may_true ? TILE_EMPTY : !{verdict}.may_false ? TILE_FULL : TILE_PARTIAL;\n"
+        "  }\n"
+        f"  {qualifiers} TileClass classify_warp({tile_args}) const {{\n"
+        f"{_body(warp_tile)}    return !{warp_verdict}.may_true ? TILE_EMPTY : !{warp_verdict}.may_false ? TILE_FULL : "
+        "TILE_PARTIAL;\n"
         "  }\n"
         "};\n")

@@ -58,8 +58,9 @@ __device__ __forceinline__ MapCta map_cta(int map_heads, int units_per_seq) {
 
 // One work unit's slot, by the whole CTA (MAP_THREADS): its tiles t in [t_lo, t_hi), each
 // bounds(t) = {pr_lo, pr_hi, k_lo, k_hi} (packed rows inclusive, keys exclusive), classified by
-// interval analysis where it is sure (exact for index arithmetic), else evaluated, a warp per
-// tile; the span and the longest full run go into slot (an empty span at t_lo).
+// interval analysis where it is sure (exact for index arithmetic; classify_warp reads a capture
+// over the tile's index range, so a tile inside one document or between two is sure too), else
+// evaluated, a warp per tile; the span and the longest full run go into slot (an empty span at t_lo).
 constexpr int MAP_WARPS = MAP_THREADS / 32, MAP_CHUNK = 256;
 template <class Bounds>
 __device__ __forceinline__ void map_unit(const MaskMod& mask_mod, int seq, int kv_head, int pack, int off, int t_lo,
@@ -73,7 +74,7 @@ __device__ __forceinline__ void map_unit(const MaskMod& mask_mod, int seq, int k
       const int4 b = bounds(base + i);
       TileClass c = TILE_EMPTY;
       if (b.x <= b.y && b.z < b.w) {
-        c = mask_mod.classify(seq, kv_head, b.x / pack + off, b.y / pack + off, b.z, b.w - 1);
+        c = mask_mod.classify_warp(seq, kv_head, b.x / pack + off, b.y / pack + off, b.z, b.w - 1);
         if (c == TILE_PARTIAL) c = evaluate_tile(mask_mod, seq, kv_head, pack, b.x, b.y, off, b.z, b.w, lane);
       }
       if (lane == 0) classes[i] = static_cast<unsigned char>(c);

@@ -269,6 +269,49 @@ JITATTN_VARIANT_FN IBool iv_or(IBool a, IBool b) {
 }
 JITATTN_VARIANT_FN IBool iv_not(IBool a) { return IBool{a.may_false, a.may_true}; }
 
+// A capture read over index intervals (MaskMod::classify_warp, the mask map's): with every index
+// exact, the element; with one index spanning at most RANGE_READS values and the rest exact, the
+// [min, max] of the elements it spans (0 outside the capture, as load(...) reads them); else
+// unknown. A document-id mask's tiles then classify by two range reads instead of an evaluation
+// per element. On the device the warp's 32 lanes split the range and share the result: the whole
+// warp calls it with the same arguments. A host build (the tests) walks the range alone.
+constexpr long long RANGE_READS = 1024;
+template <class Load>
+JITATTN_VARIANT_FN IInt iv_read(const Load& load, IInt i0, IInt i1 = IInt{0, 0}, IInt i2 = IInt{0, 0},
+                                IInt i3 = IInt{0, 0}) {
+  const IInt at[4] = {i0, i1, i2, i3};
+  int span = -1;
+  for (int k = 0; k < 4; ++k) {
+    if (at[k].lo == at[k].hi) continue;
+    if (span >= 0 || at[k].hi - at[k].lo >= RANGE_READS) return iv_full();
+    span = k;
+  }
+  if (span < 0) return iv_exact(load(int(i0.lo), int(i1.lo), int(i2.lo), int(i3.lo)));
+#ifdef __CUDA_ARCH__
+  const int first = threadIdx.x % 32, step = 32;
+#else
+  const int first = 0, step = 1;
+#endif
+  long long lo = LLONG_MAX, hi = LLONG_MIN;
+  for (long long x = at[span].lo + first; x <= at[span].hi; x += step) {
+    const int i = int(x);
+    const long long v = load(span == 0 ? i : int(i0.lo), span == 1 ? i : int(i1.lo), span == 2 ? i : int(i2.lo),
+                             span == 3 ? i : int(i3.lo));
+    lo = min2(lo, v);
+    hi = max2(hi, v);
+  }
+#ifdef __CUDA_ARCH__
+  for (int offset = 16; offset > 0; offset /= 2) {
+    lo = min2(lo, __shfl_xor_sync(0xffffffffu, lo, offset));
+    hi = max2(hi, __shfl_xor_sync(0xffffffffu, hi, offset));
+  }
+#endif
+  return IInt{lo, hi};
+}
+// A bool read's iv_read (its elements as 0 / 1; unknown: all of int32): whether one may be true,
+// one may be false.
+JITATTN_VARIANT_FN IBool iv_bool_of(IInt a) { return IBool{a.lo != 0 || a.hi != 0, a.lo <= 0 && a.hi >= 0}; }
+
 #undef JITATTN_VARIANT_FN
 
 }  // namespace jitattn_variant
