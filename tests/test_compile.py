@@ -425,11 +425,15 @@ def test_cache_root_below_a_file_raises_cache_not_writable(tmp_path, monkeypatch
     assert loader.COMPILE_COUNT == before
 
 
-def test_each_varlen_tile_shape_compiles_and_registers_its_ops(tmp_path, monkeypatch):
+def test_each_varlen_tile_shape_compiles_and_loads_its_entry_point(tmp_path, monkeypatch):
     """The varlen family's tile shapes (prefill, decode, and the Hopper wgmma prefill, also its
-    persistent schedule), paged and not: real nvcc builds through the pipeline (sm_90; sm_90a for wgmma), each loaded with its
-    run and ctas_per_sm ops."""
+    persistent schedule), paged and not: real nvcc builds through the pipeline (sm_90; sm_90a for
+    wgmma), each loaded with its ctas_per_sm op and its C launch entry, whose params layout matches
+    Python's packing (VarlenKernel compares sizes on load); a failure inside the entry comes back as
+    a RuntimeError, never as an exception crossing the C boundary."""
     import torch
+
+    from jitattn.varlen.launch import VarlenKernel
 
     use_cache(monkeypatch, tmp_path / "cache")  # the module memo is empty (_fresh_memos)
     for spec in (VarlenSpec(head_dim=64, dtype="bfloat16", paged=True, decode=False),
@@ -441,7 +445,16 @@ def test_each_varlen_tile_shape_compiles_and_registers_its_ops(tmp_path, monkeyp
         assert was_compiled and cache.why_invalid(module.entry.path) is None
         assert ("sm90a" in module.entry.path.parent.name) == spec.wgmma
         ops = getattr(torch.ops, loader.op_namespace(spec, module.entry.key))
-        assert "block_table" in str(ops.run.default._schema) and callable(ops.ctas_per_sm)
+        assert callable(ops.ctas_per_sm) and not hasattr(ops, "run")  # launched through C, not an op
+        kernel = VarlenKernel(module, spec)
+        if torch.cuda.is_available():
+            continue  # GPU tests launch it for real; CPU pointers must not reach a GPU kernel
+        q = torch.zeros(4, 2, spec.head_dim, dtype=getattr(torch, spec.dtype))
+        k = torch.zeros(1, 16, 2, spec.head_dim, dtype=q.dtype) if spec.paged else q
+        cu = torch.tensor([0, 4], dtype=torch.int32)
+        with pytest.raises(RuntimeError, match="current_cuda_stream"):  # no GPU here: the stream lookup fails
+            kernel.run(q, k, k, cu, None if spec.paged else cu, None, cu[None] if spec.paged else None, q, None, 1, 1,
+                       1, 0, -1, -1, 1.0, 0.0, False, False, ())
 
 
 def test_event_floor_probe_builds(tmp_path):

@@ -165,9 +165,11 @@ def test_the_acceptance_manifest_is_current_and_prewarms_on_a_cpu_box(tmp_path):
 
 
 @pytest.mark.compile
-def test_a_variant_spec_with_every_capture_dtype_builds(tmp_path):
+def test_a_variant_spec_with_every_capture_dtype_builds(tmp_path, monkeypatch):
     """A real build (nvcc, torch's flags) of a forward and a backward whose variants read a capture
-    of every dtype: the rendered hooks, variant.cuh and the bindings' capture arguments compile."""
+    of every dtype: the rendered hooks, variant.cuh and the bindings' capture arguments compile, and
+    the forward's C entry takes the params Python packs with six captures (VarlenKernel compares
+    sizes on load)."""
     require_nvcc()
     tables = {dtype: torch.zeros(4, 4, dtype=dtype) for dtype in
               (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64)}
@@ -192,3 +194,13 @@ def test_a_variant_spec_with_every_capture_dtype_builds(tmp_path):
     result = subprocess.run(args, capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "built 2" in result.stdout, result.stdout[-2000:]
+    from jitattn.jit.loader import get_module
+    from jitattn.kernel import fresh_memos
+    from jitattn.varlen.launch import VarlenKernel
+
+    monkeypatch.setenv("JITATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("JITATTN_CUDA_ARCH_LIST", "9.0")
+    monkeypatch.setenv("JITATTN_DISABLE_JIT", "1")  # what prewarm built, not a new build
+    with fresh_memos():
+        assert len(score.tensors) + len(mask.tensors) == 6
+        VarlenKernel(get_module(specs[0]), specs[0])

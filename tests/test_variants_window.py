@@ -14,6 +14,7 @@ import torch
 from jitattn.variants import gallery, reference_mask, trace_mask_mod
 from jitattn.variants.tree import Variant
 from jitattn.variants.window import lower_window, window_of
+from tests.varlen_stand_in import stand_in_forward_kernels
 from tests.varlen_utils import window_visibility
 
 GRID = 48
@@ -110,27 +111,22 @@ def test_lower_window_intersects_with_the_calls_window():
 def planner(monkeypatch):
     """The specs and windows the forward and backward launch, with stand-in modules."""
     import jitattn.varlen.backward_launch as backward_launch
-    import jitattn.varlen.forward as varlen_forward
     from jitattn.kernel import fresh_memos
     from jitattn import checks as _checks
 
     seen = []
 
-    def forward_module(spec):
-        def run(q, k, v, cu_q, cu_k, used, table, out, bad_page, pack, m_blocks, splits, min_tiles, left, right,
-                scale_log2, softcap, want_lse, *rest):
-            seen.append(("fwd", spec, left, right, rest))
-            return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
-        ops = types.SimpleNamespace(run=types.SimpleNamespace(default=run),
-                                    ctas_per_sm=types.SimpleNamespace(default=lambda device: 2))
-        return types.SimpleNamespace(ops=ops)
+    def forward_run(spec, q, k, v, cu_q, cu_k, used, table, out, bad_page, pack, m_blocks, splits, min_tiles, left,
+                    right, scale_log2, softcap, want_lse, build_mask_map, captures):
+        seen.append(("fwd", spec, left, right, captures))
+        return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
 
     def backward_module(spec):
         def run(dout, dlse, q, k, v, out, lse, cu_q, cu_k, used, dq, dk, dv, n_blocks, left, right, *rest):
             seen.append(("bwd", spec, left, right, rest[4:]))
         return types.SimpleNamespace(ops=types.SimpleNamespace(run=types.SimpleNamespace(default=run)))
 
-    monkeypatch.setattr(varlen_forward, "get_module", forward_module)
+    stand_in_forward_kernels(monkeypatch, forward_run)
     monkeypatch.setattr(backward_launch, "get_module", backward_module)
     monkeypatch.setattr(_checks, "cuda_device", lambda named: torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(multi_processor_count=132))

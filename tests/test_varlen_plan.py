@@ -13,6 +13,7 @@ from jitattn.varlen import plan
 from jitattn.varlen.checks import AuxRequest, varlen_call
 from jitattn import checks as _checks
 from jitattn.varlen.spec import VarlenBackwardSpec, VarlenSpec
+from tests.varlen_stand_in import RUN_ARGS, stand_in_forward_kernels
 
 SMS, CTAS_PER_SM = 132, 2
 HALF_WAVE = SMS * CTAS_PER_SM // 2
@@ -23,17 +24,12 @@ def launches(monkeypatch):
     """Every launch as (spec, run args); CPU tensors pass the CUDA-device check."""
     recorded = []
 
-    def fake_get_module(spec):
-        def run(*args):  # like the binding: writes into `out` when given, else allocates
-            recorded.append((spec, args))
-            q, out, want_lse = args[0], args[7], args[-1]
-            return (torch.empty_like(q) if out is None else out), torch.empty(q.shape[1] if want_lse else 0, q.shape[0])
+    def run(spec, *args):  # like the kernel: writes into `out` when given, else allocates
+        recorded.append((spec, args))
+        q, out, want_lse = args[0], args[7], args[17]
+        return (torch.empty_like(q) if out is None else out), (torch.empty(q.shape[1], q.shape[0]) if want_lse else None)
 
-        ops = types.SimpleNamespace(run=types.SimpleNamespace(default=run),
-                                    ctas_per_sm=types.SimpleNamespace(default=lambda device: CTAS_PER_SM))
-        return types.SimpleNamespace(ops=ops)
-
-    monkeypatch.setattr(varlen, "get_module", fake_get_module)
+    stand_in_forward_kernels(monkeypatch, run, CTAS_PER_SM)
     monkeypatch.setattr(_checks, "cuda_device", lambda named: torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda index: types.SimpleNamespace(multi_processor_count=SMS))
@@ -71,9 +67,7 @@ def launch(launches, **kwargs):
                     num_splits=None, return_aux=None)
     forward(**{**defaults, **kwargs})
     spec, args = launches[-1]
-    names = ("q", "k", "v", "cu_q", "cu_k", "used", "table", "out", "bad_page", "pack", "m_blocks", "splits",
-             "split_min_tiles", "left", "right", "scale_log2", "softcap", "want_lse")
-    return spec, dict(zip(names, args))
+    return spec, dict(zip(RUN_ARGS, args))
 
 
 def test_decode_batches_take_the_16_row_shape_with_the_group_packed(launches):

@@ -20,6 +20,8 @@ from jitattn.varlen import ops as varlen_ops
 from jitattn.kernel import fresh_memos
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from tests.varlen_stand_in import stand_in_forward_kernels
+
 F16, I32 = torch.float16, torch.int32
 TORCH_VARLEN = pytest.importorskip("torch.nn.attention.varlen")
 
@@ -34,24 +36,22 @@ def rel_error(got, ref):
 
 @pytest.fixture
 def module(monkeypatch):
-    """A stand-in for the compiled module: its `run` takes the binding's arguments and writes the
+    """A stand-in for the compiled kernel: its `run` takes VarlenKernel.run's arguments and writes the
     reference into `out` when given (the strides it has), else into a new contiguous tensor (what
-    the binding allocates). CPU tensors pass the device check."""
+    the kernel allocates). CPU tensors pass the device check."""
     calls = []
 
-    def run(q, k, v, cu_q, cu_k, used, table, out, bad_page, pack, m_blocks, splits, min_tiles, left, right,
-            scale_log2, softcap, want_lse):
+    def run(spec, q, k, v, cu_q, cu_k, used, table, out, bad_page, pack, m_blocks, splits, min_tiles, left, right,
+            scale_log2, softcap, want_lse, build_mask_map, captures):
         calls.append({"out": out, "splits": splits, "split_min_tiles": min_tiles})
         ref, lse = varlen_attn_reference(q, k, v, cu_q, cu_k, 0, 0, scale=scale_log2 / varlen_forward.LOG2E,
                                          window_size=(left, right), enable_gqa=True, seqused_k=used,
                                          block_table=table, softcap=softcap)
         result = torch.empty(q.shape, dtype=q.dtype) if out is None else out
         result.copy_(ref)
-        return result, (lse.float() if want_lse else torch.empty(0, q.shape[0]))
+        return result, (lse.float() if want_lse else None)
 
-    ops = types.SimpleNamespace(run=types.SimpleNamespace(default=run),
-                                ctas_per_sm=types.SimpleNamespace(default=lambda device: 2))
-    monkeypatch.setattr(varlen_forward, "get_module", lambda spec: types.SimpleNamespace(ops=ops))
+    stand_in_forward_kernels(monkeypatch, run)
     monkeypatch.setattr(_checks, "cuda_device", lambda named: torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(multi_processor_count=132))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))

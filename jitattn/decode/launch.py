@@ -1,10 +1,9 @@
 """How a decode module is launched: its C entry point, called through ctypes with packed parameters."""
 from __future__ import annotations
 
-import ctypes
 import struct
 
-from jitattn.kernel import LoadedKernel
+from jitattn.kernel import CEntryKernel
 
 # DecodeParams (templates/decode/params.h) in native layout: 7 pointers, 5 int64 strides,
 # 7 ints, 3 floats, 2 doubles, the device, padded to 8 bytes. The binding static_asserts the
@@ -12,7 +11,7 @@ from jitattn.kernel import LoadedKernel
 DECODE_PARAMS = struct.Struct("@7P5q7i3f2di0q")
 
 
-class DecodeKernel(LoadedKernel):
+class DecodeKernel(CEntryKernel):
     """A decode module, launched through its C entry point `jitattn_decode_launch` (ctypes):
     a decode step is a few microseconds of GPU work, and a boxed torch op call with 14 arguments
     cost more host time than that. The caller allocates every output; `launch` packs the
@@ -20,19 +19,8 @@ class DecodeKernel(LoadedKernel):
     kernel's pipeline stage in rows (its TILE, read from the module rather than mirrored)."""
 
     def __init__(self, module):
-        super().__init__(module)
-        # PyDLL: keeps the GIL for the few microseconds of a launch (no release/reacquire).
-        library = ctypes.PyDLL(str(module.entry.library))
-        self._launch = library.jitattn_decode_launch
-        self._launch.argtypes = [ctypes.c_char_p]
-        self._launch.restype = ctypes.c_int
-        self._error = library.jitattn_decode_error
-        self._error.restype = ctypes.c_char_p
-        self.tile_rows = library.jitattn_decode_tile_rows()
-        size = library.jitattn_decode_params_size()
-        if size != DECODE_PARAMS.size:
-            raise RuntimeError(f"{module.entry.path}: DecodeParams is {size} bytes but jitattn packs "
-                               f"{DECODE_PARAMS.size}: the module was built from other templates; rebuild it")
+        super().__init__(module, "decode", DECODE_PARAMS.size)
+        self.tile_rows = self.library.jitattn_decode_tile_rows()
 
     def launch(self, q, k, v, out, lse, workspace, k_strides, v_strides, kv_begin, kv_end, group_size,
                group_tiles, chunk_len, num_chunks, q_scale, cap_log2e, v_scale, rope_turns0, rope_ratio,
@@ -50,5 +38,4 @@ class DecodeKernel(LoadedKernel):
             partial_o, partial_lse, q.stride(0), k_strides[0], k_strides[1], v_strides[0], v_strides[1],
             kv_begin, kv_end, num_heads // group_size, group_size, group_tiles, chunk_len, num_chunks,
             q_scale, cap_log2e, v_scale, rope_turns0, rope_ratio, device_index)
-        if self._launch(params):
-            raise RuntimeError(self._error().decode(errors="replace"))
+        self.call(params)

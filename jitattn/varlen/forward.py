@@ -9,11 +9,12 @@ import torch
 from jitattn import checks as check
 from jitattn.jit import env
 from jitattn.jit.loader import get_module
-from jitattn.kernel import OpKernel, call_memo
+from jitattn.kernel import call_memo
 from jitattn.variants.tree import Variant
 from jitattn.variants.window import lower_window
 from jitattn.varlen import overrides
 from jitattn.varlen.checks import VarlenCall, check_varlen_values
+from jitattn.varlen.launch import VarlenKernel
 from jitattn.varlen.plan import (DECODE_ROWS, MAX_SPLITS, MIN_SPLIT_TILES, SHORT_KEYS, SHORT_ROWS, auto_splits,
                                  is_hopper)
 from jitattn.varlen.spec import VarlenSpec, mask_map_flag, mask_map_layout
@@ -22,7 +23,7 @@ LOG2E = 1.4426950408889634
 
 # (the call facts VarlenSpec.for_call reads, the override state) -> (loaded kernel, BLOCK_M,
 # BLOCK_N): the warm path is this one lookup
-_kernels: dict[tuple, tuple[OpKernel, int, int]] = call_memo()
+_kernels: dict[tuple, tuple[VarlenKernel, int, int]] = call_memo()
 
 
 def captures_of(score_mod, mask_mod) -> tuple:
@@ -38,7 +39,7 @@ class Launch(NamedTuple):
     call's shapes, dtypes, strides, scalars and variants' trees (and the device, the overrides
     and the knobs read per call), so a warm call with the same ones reuses it (`warm_key`)."""
 
-    kernel: OpKernel
+    kernel: VarlenKernel
     group: int
     m_blocks: int
     splits: int
@@ -48,7 +49,7 @@ class Launch(NamedTuple):
     scale_log2: float
     softcap: float
     return_lse: bool
-    map_flag: tuple
+    build_mask_map: bool  # the mask_mod's map is built on the device this call (mask_map.cuh)
     mask_captures: bool  # the mask_mod's tensors go to the kernel (not lowered to a window)
     out_like_query: bool  # out = torch.empty_like(query): the query's layout is not the binding's
     ready: bool  # inputs as given: aligned, contiguous metadata (a warm call may skip the checks)
@@ -75,7 +76,8 @@ def plan(call: VarlenCall) -> Launch:
     if entry is None:
         spec = VarlenSpec.for_call(facts[0], check.DTYPE_NAMES[query.dtype], *facts[2:9], score_mod=variants[0],
                                    mask_mod=variants[1])
-        entry = _kernels[facts] = (OpKernel(get_module(spec)), spec.block_m, spec.block_n, mask_map_layout(spec))
+        entry = _kernels[facts] = (VarlenKernel(get_module(spec), spec), spec.block_m, spec.block_n,
+                                   mask_map_layout(spec))
     kernel, block_m, tile_n, map_layout = entry
     m_blocks = -(-max_q * group // block_m)
     # Explicit splits: every row block takes that many. Automatic: the grid has room for
@@ -94,17 +96,18 @@ def plan(call: VarlenCall) -> Launch:
              and (call.out is None or check.reads_in_place(call.out)))
     return Launch(kernel, group, m_blocks, splits, min_tiles, window_left, window_right, args.scale * LOG2E,
                   args.softcap, args.return_lse,
-                  mask_map_flag(map_layout, call.max_k, tile_n, args.num_seqs * m_blocks, args.num_heads_kv),
+                  any(mask_map_flag(map_layout, call.max_k, tile_n, args.num_seqs * m_blocks, args.num_heads_kv)),
                   mask_mod is not None, out_like_query, ready)
 
 
 def _run(launch: Launch, query, key, value, cu_seq_q, cu_seq_k, seqused_k, block_table, out, bad_page,
          score_mod, mask_mod):
-    """The kernel on ready inputs (`out`: None, or one the kernel can write)."""
+    """The kernel on ready inputs (`out`: None, or one the kernel can write). (out, lse or None)."""
     return launch.kernel.run(query, key, value, cu_seq_q, cu_seq_k, seqused_k, block_table, out, bad_page,
                              launch.group, launch.m_blocks, launch.splits, launch.min_tiles, launch.window_left,
                              launch.window_right, launch.scale_log2, launch.softcap, launch.return_lse,
-                             *launch.map_flag, *captures_of(score_mod, mask_mod if launch.mask_captures else None))
+                             launch.build_mask_map,
+                             captures_of(score_mod, mask_mod if launch.mask_captures else None))
 
 
 def forward(call: VarlenCall, remember_as: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,6 +142,8 @@ def forward(call: VarlenCall, remember_as: tuple | None = None) -> tuple[torch.T
     if out is not None and target is None:
         out.copy_(result)
         result = out
+    if lse is None:  # not asked for: the ops' schema still returns one
+        lse = query.new_empty((0, query.shape[0]), dtype=torch.float32)
     if debug:
         torch.cuda.synchronize(call.device)
         if bad_page is not None and int(bad_page[0]):
@@ -188,9 +193,15 @@ def warm_key(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_
                 _meta(block_table), _meta(out), max_q, max_k, _typed(scale), tuple(map(_typed, window_size)),
                 _typed(enable_gqa), _typed(num_splits),
                 None if return_aux is None else (type(return_aux), _typed(return_aux.lse)), _typed(softcap),
-                variants, env.lower_mask_windows(), env.wgmma_enabled(), overrides.state(), torch.is_grad_enabled())
+                variants, knobs(), torch.is_grad_enabled())
     except AttributeError:  # not tensors: the checks will say
         return None
+
+
+def knobs() -> tuple:
+    """What a call's plan reads besides its arguments: the env knobs and the spec overrides (part
+    of every warm key, so a changed knob plans anew)."""
+    return env.lower_mask_windows(), env.wgmma_enabled(), overrides.state()
 
 
 def _typed(x):
@@ -206,17 +217,30 @@ def _remember(key: tuple, launch: Launch) -> None:
         pass
 
 
+def remembered(key: tuple) -> Launch | None:
+    """The plan remembered under a `warm_key`, or None."""
+    try:
+        return _warm.get(key)
+    except TypeError:  # an unhashable scalar: the checks will take the call
+        return None
+
+
 def warm_forward(key: tuple, query, key_, value, cu_seq_q, cu_seq_k, seqused_k, block_table, out, score_mod,
                  mask_mod):
     """(out, lse) of a call whose `warm_key` was remembered, or None (then
     forward(varlen_call(...), remember_as=key))."""
-    try:
-        launch = _warm.get(key)
-    except TypeError:  # an unhashable scalar: the checks will take the call
-        return None
+    launch = remembered(key)
     if launch is None:
         return None
+    return run_remembered(launch, query, key_, value, cu_seq_q, cu_seq_k, seqused_k, block_table, out, score_mod,
+                          mask_mod)
+
+
+def run_remembered(launch: Launch, query, key, value, cu_seq_q, cu_seq_k, seqused_k, block_table, out, score_mod,
+                   mask_mod):
+    """(out, lse or None) of a call with the metadata of the one `launch` was remembered for (the
+    caller vouches for that: jitattn/integrations/transformers.py keys its own calls)."""
     if out is None and launch.out_like_query:
         out = torch.empty_like(query)
-    return _run(launch, query, key_, value, cu_seq_q, cu_seq_k, seqused_k, block_table, out, None, score_mod,
+    return _run(launch, query, key, value, cu_seq_q, cu_seq_k, seqused_k, block_table, out, None, score_mod,
                 mask_mod)
