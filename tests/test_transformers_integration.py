@@ -768,3 +768,105 @@ def test_the_mask_mod_is_traced_once_and_each_forward_pass_attaches_its_tensors(
     whole, first, read = seen[0].tensors
     assert whole.tolist() == [True, True, True, True, False, True]  # row 1 has a gap
     assert first.tolist() == [2, 0] and read.tolist() == masks[0].tolist()
+
+
+# ---------------------------------------------------------------- warm layer calls (jitattn's own backend)
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """jitattn's own backend down to the kernel, whose stand-in (tests/varlen_stand_in.py) computes
+    the float64 reference of the arguments it is launched with (its views, metadata, window, scale
+    and the padding mask_mod rebuilt from its captured tensors). Yields the launches and the
+    calls that were checked and planned (jitattn.varlen's varlen_call) and those the integration
+    mapped and handed to jitattn.varlen_attn (a warm layer call does neither)."""
+    import jitattn.varlen.api as api
+    from jitattn.kernel import fresh_memos
+    from jitattn.varlen import forward as varlen_forward
+    from jitattn.varlen.variant_args import variants_of
+    from tests.varlen_stand_in import stand_in_forward_kernels
+
+    import jitattn
+
+    record = {"launches": [], "checked": [], "mapped": []}
+
+    def run(spec, q, k, v, cu_q, cu_k, used, table, out, bad_page, pack, m_blocks, splits, min_tiles, left, right,
+            scale_log2, softcap, want_lse, build_mask_map, captures):
+        record["launches"].append(dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, used=used))
+        _, mask_mod = variants_of(None, spec.mask_mod or None, captures)
+        visible = visibility(mask_mod) if mask_mod is not None else (lambda b, h, q_idx, kv_idx: True)
+        ref = masked_reference(q, k, v, cu_q, cu_k, used, scale_log2 / varlen_forward.LOG2E, (left, right),
+                               softcap or None, visible)
+        result = torch.empty(q.shape, dtype=q.dtype) if out is None else out
+        result.copy_(ref)
+        return result, None
+
+    checked = api.varlen_call
+
+    def counting_call(*args, **kwargs):
+        record["checked"].append(args[0].shape)
+        return checked(*args, **kwargs)
+
+    mapped = jitattn.varlen_attn
+
+    def counting_varlen_attn(*args, **kwargs):
+        record["mapped"].append(args[0].shape)
+        return mapped(*args, **kwargs)
+
+    stand_in_forward_kernels(monkeypatch, run)
+    monkeypatch.setattr(api, "varlen_call", counting_call)
+    monkeypatch.setattr(jitattn, "varlen_attn", counting_varlen_attn)
+    monkeypatch.setattr(_checks, "cuda_device", lambda named: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: __import__("types").SimpleNamespace(
+        multi_processor_count=132))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.delenv("JITATTN_DEBUG", raising=False)
+    monkeypatch.delenv("JITATTN_WGMMA", raising=False)
+    with fresh_memos(), jt.use_backend(jt.JITATTN_BACKEND):
+        yield record
+
+
+def test_later_layers_launch_the_first_layers_plan_and_stay_exact(kernel_calls):
+    """Layers of a decode step (a new padding mask per step, changed in place once, new values per
+    layer): only a step's new shapes check and plan; every layer's result is the float64 one."""
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9, [0, 1, 1, 0, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    with torch.no_grad():
+        for step, step_mask in enumerate((mask, mask.clone(), None)):
+            for layer in range(3):
+                q, k, v = qkv(batch=3, len_q=1, len_k=9, dtype=BF16, seed=10 * step + layer)
+                out, _ = jt.attention_forward(Attn(), q, k, v, step_mask)
+                want = sdpa(q, k, v, mask=step_mask)
+                torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-2)
+                assert kernel_calls["launches"][-1]["k"].data_ptr() == k.data_ptr()  # the cache, in place
+            if step_mask is not None:
+                step_mask[1, 4] = False  # in place, a gap in a row without: the next layer's plan is derived again
+                out, _ = jt.attention_forward(Attn(), q, k, v, step_mask)
+                torch.testing.assert_close(out.double(), sdpa(q, k, v, mask=step_mask), rtol=0, atol=1e-2)
+    # mapped, checked and planned: the padded shapes once, the dense ones once
+    assert len(kernel_calls["mapped"]) == len(kernel_calls["checked"]) == 2
+    assert len(kernel_calls["launches"]) == 3 * 3 + 2
+
+
+def test_what_changes_a_call_plans_it_again(kernel_calls, monkeypatch):
+    """A longer cache, another head count, grad, a window, another scale or a knob (JITATTN_WGMMA)
+    is a new signature: checked and planned, then warm itself."""
+    def call(**kw):
+        shape = dict(batch=2, len_q=1, len_k=9, dtype=BF16)
+        extra = {name: kw.pop(name) for name in ("scaling", "sliding_window") if name in kw}
+        q, k, v = qkv(**{**shape, **kw})
+        before = len(kernel_calls["mapped"])
+        out, _ = jt.attention_forward(Attn(), q, k, v, None, **extra)
+        torch.testing.assert_close(out.double(), sdpa(q, k, v, scale=extra.get("scaling"),
+                                                      window=extra.get("sliding_window")), rtol=0, atol=1e-2)
+        return len(kernel_calls["mapped"]) - before
+
+    with torch.no_grad():
+        assert [call(), call()] == [1, 0]
+        assert [call(len_k=10), call(len_k=10)] == [1, 0]
+        assert [call(h_q=8), call(h_q=8)] == [1, 0]
+        assert [call(scaling=0.25), call(scaling=0.25), call(sliding_window=4), call(sliding_window=4)] == [1, 0, 1, 0]
+        monkeypatch.setenv("JITATTN_WGMMA", "0")
+        assert [call(), call()] == [1, 0]
+    q, k, v = (t.requires_grad_() for t in qkv(batch=2, len_q=1, len_k=9, dtype=BF16))
+    before = len(kernel_calls["mapped"])
+    for _ in range(2):  # with grad: never warm (each call is mapped and goes through autograd)
+        jt.attention_forward(Attn(), q, k, v, None)
+    assert len(kernel_calls["mapped"]) - before == 2

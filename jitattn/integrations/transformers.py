@@ -80,23 +80,33 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: (B, H, L, D) in, (B, L_q, H_q, D) and no
     attention weights out."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    signature = _signature(query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, causal,
+                           s_aux, kwargs)
+    warm = None if signature is None else _WARM.get(signature)
+    if warm is not None:
+        return warm.run(query, key, value, attention_mask), None
     _refuse(module, query, key, value, attention_mask, dropout, s_aux)
     query, key, value = _half(query, key, value)
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     batch, heads_q, len_q, head_dim = query.shape
     heads_kv, len_k = key.shape[1], key.shape[2]
     common = {"scale": scaling, "window_size": _window(causal, sliding_window), "enable_gqa": heads_q != heads_kv,
               "softcap": softcap}
     if attention_mask is not None:
-        out = _padded(query, key, value, attention_mask, common)
+        mapped = _padded(query, key, value, attention_mask, common)
     else:
         packed = _packed_lengths(batch, len_q, len_k, query.device, kwargs)
         if packed is not None:
             cu, max_len = packed
             q, k, v = (t.transpose(1, 2).reshape(-1, t.shape[1], head_dim) for t in (query, key, value))
-            out = _varlen_attn(q, k, v, cu[0], cu[1], max_len[0], max_len[1], **common)
+            mapped = _Mapped(q, k, v, cu[0], cu[1], max_len[0], max_len[1], None, None, None)
         else:
-            out = _dense(query, key, value, common)
+            mapped = _dense(query, key, value)
+    variant = {} if mapped.mask_mod is None else {"mask_mod": mapped.mask_mod}
+    out = _varlen_attn(mapped.q, mapped.k, mapped.v, mapped.cu_q, mapped.cu_k, mapped.max_q, mapped.max_k,
+                       seqused_k=mapped.used, **common, **variant)
+    if signature is not None:
+        _remember_warm(signature, query, key, value, mapped, common)
     return out.view(batch, len_q, heads_q, head_dim), None
 
 
@@ -139,15 +149,107 @@ def use_backend(backend: Backend) -> Iterator[Backend]:
         raise ValueError(f"backend.padding must be one of {', '.join(PADDINGS)}, got {backend.padding!r}")
     previous, _backend = _backend, backend
     _PER_FORWARD.clear()
+    _WARM.clear()
     try:
         yield backend
     finally:
         _backend = previous
         _PER_FORWARD.clear()
+        _WARM.clear()
 
 
 def _varlen_attn(*args, **kwargs):
     return _backend.varlen_attn(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- warm layer calls
+# The layers of a forward pass call with the same shapes. The first maps its call (`_dense`,
+# `_padded`) and launches through jitattn.varlen_attn, which plans it (jitattn/varlen/forward.py,
+# warm calls); both are kept under the call's signature, so a later layer rebuilds the views of
+# its tensors and launches the remembered plan: no argument mapping, no checks, no planning.
+# Inference calls only (no grad, no torch.compile or dispatch mode, no CUDA graph capture), on
+# jitattn's own backend (notes/transformers-host.md, eighth session).
+_WARM: dict = {}
+WARM_CALLS = 64
+
+
+def _signature(query, key, value, mask, dropout, scaling, sliding_window, softcap, causal, s_aux, kwargs):
+    """What the mapping and the plan of a call depend on, or None where a call is never warm: every
+    field the slow path reads but the mask's contents (the plan per mask is looked up per call)."""
+    if (_backend is not JITATTN_BACKEND or dropout or s_aux is not None or kwargs.get("cu_seq_lens_q") is not None
+            or not isinstance(query, torch.Tensor) or query.dim() != 4 or not isinstance(key, torch.Tensor)
+            or key.dim() != 4 or not isinstance(value, torch.Tensor)
+            or (mask is not None and not isinstance(mask, torch.Tensor))):
+        return None
+    shape = query.shape
+    if shape[0] == 1 and shape[2] == key.shape[2] and shape[2] >= 2:
+        return None  # one row of as many queries as keys: position_ids may pack sequences (_packed_lengths)
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return None
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._are_functorch_transforms_active()
+            or (query.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return None
+    return (shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(), query.dtype, key.dtype,
+            value.dtype, query.device, query.data_ptr() & 15, key.data_ptr() & 15, value.data_ptr() & 15,
+            None if mask is None else (mask.shape, mask.stride(), mask.dtype, mask.device, mask.data_ptr() & 15),
+            scaling, sliding_window, softcap, causal, varlen_forward().knobs())
+
+
+class _WarmCall(NamedTuple):
+    """A remembered call: the views of query / key / value it launches on (size, stride: their
+    storage offsets are the tensors'), its metadata (a dense call's own starts, or None: the
+    padding mask's plan), and the plan (jitattn/varlen/forward.py's Launch)."""
+
+    launch: object
+    views: tuple
+    starts: tuple | None
+    plan_key: tuple | None
+    out_shape: tuple
+
+    def run(self, query, key, value, mask):
+        (q_size, q_stride), (k_size, k_stride), (v_size, v_stride) = self.views
+        q, k, v = query.as_strided(q_size, q_stride), key.as_strided(k_size, k_stride), value.as_strided(v_size, v_stride)
+        if self.starts is not None:
+            (cu_q, cu_k, used), mask_mod = self.starts, None
+        else:
+            plan = _plan_of(mask, query.device, self.plan_key)
+            cu_q, cu_k, used, mask_mod = plan.cu_q, plan.cu_k, plan.used, plan.mask_mod
+        out, _ = varlen_forward().run_remembered(self.launch, q, k, v, cu_q, cu_k, used, None, None, None, mask_mod)
+        return out.view(self.out_shape)
+
+
+def _view_of(view: torch.Tensor, base: torch.Tensor):
+    """(size, stride) when `view` is base.as_strided(size, stride) (same storage and offset), else None."""
+    if view.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() or \
+            view.storage_offset() != base.storage_offset():
+        return None
+    return tuple(view.shape), view.stride()
+
+
+def _remember_warm(signature: tuple, query, key, value, mapped: _Mapped, common: dict) -> None:
+    """Keep a mapped, launched call for the later layers (`_WarmCall`), when its launch was
+    remembered (jitattn.varlen_attn's warm key) and its tensors are views of the layer's."""
+    forward = varlen_forward()
+    launch = forward.remembered(forward.warm_key(
+        mapped.q, mapped.k, mapped.v, mapped.cu_q, mapped.cu_k, mapped.max_q, mapped.max_k, common["scale"],
+        common["window_size"], common["enable_gqa"], mapped.used, None, None, None, None, common["softcap"], None,
+        mapped.mask_mod))
+    views = (_view_of(mapped.q, query), _view_of(mapped.k, key), _view_of(mapped.v, value))
+    if launch is None or None in views or (mapped.plan_key is None and mapped.used is None):
+        return
+    starts = None if mapped.plan_key is not None else (mapped.cu_q, mapped.cu_k, mapped.used)
+    shape = query.shape
+    if len(_WARM) >= WARM_CALLS:
+        _WARM.pop(next(iter(_WARM)))
+    _WARM[signature] = _WarmCall(launch, views, starts, mapped.plan_key, (shape[0], shape[2], shape[1], shape[3]))
+
+
+def varlen_forward():
+    """jitattn/varlen/forward.py (imported on first use, as jitattn.varlen_attn is)."""
+    import jitattn.varlen.forward as forward
+
+    return forward
 
 
 def _refuse(module, query, key, value, attention_mask, dropout, s_aux) -> None:
@@ -186,7 +288,22 @@ def _window(causal: bool, sliding_window: int | None) -> tuple[int, int]:
     return (left, 0) if causal else (left, left)
 
 
-def _dense(query, key, value, common):
+class _Mapped(NamedTuple):
+    """One attention call as varlen_attn's arguments (besides the scalars in `common`)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    used: torch.Tensor | None
+    mask_mod: object  # a traced Variant, or None
+    plan_key: tuple | None  # a padded call's: what its _MaskPlan was derived from besides the mask
+
+
+def _dense(query, key, value) -> _Mapped:
     """Each batch row one sequence of L_q queries over L_k keys."""
     batch, heads_q, len_q, head_dim = query.shape
     len_k = key.shape[2]
@@ -196,10 +313,10 @@ def _dense(query, key, value, common):
     if slots is not None and slots[0] is not None and slots[1] is not None and slots[0][1] == slots[1][1]:
         (k, rows), (v, _) = slots
         cu_q, cu_k, used = _dense_starts(batch, len_q, len_k, rows, query.device)
-        return _varlen_attn(q, k, v, cu_q, cu_k, len_q, len_k, seqused_k=used, **common)
+        return _Mapped(q, k, v, cu_q, cu_k, len_q, len_k, used, None, None)
     k, v = (t.transpose(1, 2).reshape(batch * len_k, t.shape[1], head_dim) for t in (key, value))
     cu_q, cu_k, _ = _dense_starts(batch, len_q, len_k, len_k, query.device)
-    return _varlen_attn(q, k, v, cu_q, cu_k, len_q, len_k, **common)
+    return _Mapped(q, k, v, cu_q, cu_k, len_q, len_k, None, None, None)
 
 
 _PER_SHAPE: dict = {}
@@ -274,7 +391,7 @@ def _slots(t: torch.Tensor):
     return view, rows
 
 
-def _padded(query, key, value, mask, common):
+def _padded(query, key, value, mask, common) -> _Mapped:
     """A 2D padding mask: keys and values read in place (inference), the plan derived once per
     forward pass (`_mask_plan`), no host sync in `on_device` padding (the module docstring)."""
     batch, heads_q, len_q, head_dim = query.shape
@@ -288,16 +405,17 @@ def _padded(query, key, value, mask, common):
     else:
         k, v = (t.transpose(1, 2).reshape(batch * len_k, t.shape[1], head_dim) for t in (key, value))
         rows = len_k
-    host_read = _backend.padding == "host_read"
-    bidirectional = common["window_size"] == (-1, -1)
-    plan = _PER_FORWARD.get(mask, query.device, (len_q, len_k, rows, host_read, bidirectional),
-                            lambda: _mask_plan(mask, len_q, len_k, rows, query.device, host_read, bidirectional))
+    plan_key = (len_q, len_k, rows, _backend.padding == "host_read", common["window_size"] == (-1, -1))
+    plan = _plan_of(mask, query.device, plan_key)
     if plan.key_offset:
         k, v = k[plan.key_offset:], v[plan.key_offset:]
     q = query.transpose(1, 2).reshape(batch * len_q, heads_q, head_dim)
-    variant = {} if plan.mask_mod is None else {"mask_mod": plan.mask_mod}
-    return _varlen_attn(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, seqused_k=plan.used, **common,
-                        **variant)
+    return _Mapped(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, plan.used, plan.mask_mod, plan_key)
+
+
+def _plan_of(mask: torch.Tensor, device: torch.device, plan_key: tuple) -> "_MaskPlan":
+    """The padding mask's plan (`_mask_plan`), derived by a forward pass's first layer and reused."""
+    return _PER_FORWARD.get(mask, device, plan_key, lambda: _mask_plan(mask, *plan_key[:3], device, *plan_key[3:]))
 
 
 PER_ROW = (1, 3)  # sequences per padded row: one (decode, bidirectional) or three (padding, span, padding)
