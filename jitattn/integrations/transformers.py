@@ -31,6 +31,10 @@ and needs no flash-attn package. How a call maps (query (B, H_q, L_q, D), key/va
   (`_PER_FORWARD`, keyed by the tensor's identity and version). The dense path's sequence starts
   are made once per shape. (transformers' own FlashAttention mask function reads the mask once
   per forward pass, `attention_mask.all()`, before the model's layers.)
+- warm layer calls: a layer whose call has the signature of one before it (shapes, strides,
+  dtypes, the mask's metadata, the scalars: every layer of a forward pass but the first) skips the
+  mapping and the checks and launches the plan kept for it (`_WarmCall`), its views rebuilt on the
+  new tensors and a padded call's plan looked up per mask as above (inference only).
 - `Backend` / `use_backend` is the seam between the argument mapping and the kernel (tests put
   the float64 reference there, as `torch_flash.Kernels` / `use_kernels` do for that provider).
 - packed sequences (batch 1): `cu_seq_lens_q/k` + `max_length_q/k` (DataCollatorWithFlattening
