@@ -19,6 +19,15 @@ def call_memo() -> dict:
     return memo
 
 
+def evict_oldest(memo: dict) -> None:
+    """Drop a bounded memo's oldest entry. Safe when another thread evicts at the same time (the
+    key already gone, or the dict changed between taking its first key and dropping it)."""
+    try:
+        memo.pop(next(iter(memo)), None)
+    except (RuntimeError, StopIteration):
+        pass
+
+
 @contextlib.contextmanager
 def fresh_memos() -> Iterator[None]:
     """Within the block every call memo starts empty, so calls look up their kernel and device

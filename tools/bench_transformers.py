@@ -12,8 +12,10 @@ Random weights, bf16, on the GPU. Rows:
   train padded:       the same 8 sequences cut to 1024 down to 576 tokens, right-padded, with the mask.
   encoder d32 / d64:  a BERT-like encoder (6 layers, hidden 384, 12 heads of 32 / 6 heads of 64),
                       256 right-padded sentences of 8 to 68 tokens; sentences/s.
-Each case builds every implementation's model (same weights), then times them in three interleaved
-rounds (sdpa, jitattn, sdpa, ...; each a warm-up and a few runs) and keeps each one's median.
+Each case builds every implementation's model (same weights), then times them in interleaved rounds
+(--rounds, default 3: sdpa, jitattn, sdpa, ...; each a warm-up and a few runs) and keeps each one's
+median rate; the ratio column is the median of the rounds' own ratios (each round's jitattn over
+that round's sdpa, timed seconds apart: the host's drift cancels), with their min-max.
 Then SDPA's flash path (sdpa_kernel(FLASH_ATTENTION)) with torch's own kernels beside the same
 with jitattn active as torch's flash provider (jitattn.activate()), and SDPA's default choice, for
 the cases SDPA can send to flash (no mask): generate b1 and a dense train step.
@@ -141,9 +143,10 @@ def padding(impl: str):
 
 
 def compare(make, case, impls=("sdpa", "jitattn"), rounds: int = 3):
-    """{impl: rate} for one case: each implementation on the same weights, all built first, then
-    timed in interleaved rounds (sdpa, jitattn, sdpa, ...) and the median kept, so a drift of the
-    machine's clocks or host load reaches every implementation alike."""
+    """{impl: rate} for one case, and {impl: [its rate over sdpa's, per round]}: each implementation
+    on the same weights, all built first, then timed in interleaved rounds (sdpa, jitattn, sdpa,
+    ...) and the median kept, so a drift of the machine's clocks or host load reaches every
+    implementation alike."""
     models, state = {}, None
     for impl in impls:
         models[impl] = make(impl.partition(":")[0], state)
@@ -155,7 +158,8 @@ def compare(make, case, impls=("sdpa", "jitattn"), rounds: int = 3):
                 rates[impl].append(case(models[impl]))
     del models
     torch.cuda.empty_cache()
-    return {impl: statistics.median(r) for impl, r in rates.items()}
+    ratios = {impl: sorted(r / base for r, base in zip(rates[impl], rates["sdpa"])) for impl in impls}
+    return {impl: statistics.median(r) for impl, r in rates.items()}, ratios
 
 
 def flash_provider_rows(data, layers, new):
@@ -323,6 +327,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 32])
     parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per case")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--host-read", action="store_true",
                         help='also jitattn with Backend.padding="host_read" on the padded cases')
@@ -340,27 +345,33 @@ def main():
             if wants(name):
                 table.append((f"{name}, {layers} layers", compare(lambda impl, s: llama(impl, layers, s),
                                                                   lambda m: generate_rate(m, data[key], args.new),
-                                                                  padded if key == "b8" else ("sdpa", "jitattn"))))
+                                                                  padded if key == "b8" else ("sdpa", "jitattn"),
+                                                                  args.rounds)))
     layers = args.layers[0]
     if wants("train packed"):
         table.append((f"train packed tok/s, {layers} layers", compare(
-            lambda impl, s: llama(impl, layers, s), lambda m: train_rate(m, data["packed"], BATCH * SEQ))))
+            lambda impl, s: llama(impl, layers, s), lambda m: train_rate(m, data["packed"], BATCH * SEQ),
+            rounds=args.rounds)))
     padded_tokens = int(data["padded"]["attention_mask"].sum())
     if wants("train padded"):
         table.append((f"train padded tok/s, {layers} layers", compare(
-            lambda impl, s: llama(impl, layers, s), lambda m: train_rate(m, data["padded"], padded_tokens), padded)))
+            lambda impl, s: llama(impl, layers, s), lambda m: train_rate(m, data["padded"], padded_tokens), padded,
+            args.rounds)))
     for heads in (12, 6):
         if wants("encoder"):
             table.append((f"encoder d{384 // heads} sentences/s", compare(
-                lambda impl, s: encoder(impl, heads, s), lambda m: encode_rate(m, data["sentences"]), padded)))
+                lambda impl, s: encoder(impl, heads, s), lambda m: encode_rate(m, data["sentences"]), padded,
+                args.rounds)))
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"bf16; Llama hidden 2048, 16/4 heads of 128; prompts {PROMPT}, {args.new} new tokens")
     extra = f" {'host_read':>10s} {'ratio':>7s}" if args.host_read else ""
-    print(f"{'case':42s} {'sdpa':>10s} {'jitattn':>10s} {'ratio':>7s}{extra}")
-    for name, rates in table:
-        line = f"{name:42s} {rates['sdpa']:10.0f} {rates['jitattn']:10.0f} {rates['jitattn'] / rates['sdpa']:6.2f}x"
+    print(f"{'case':42s} {'sdpa':>10s} {'jitattn':>10s} {'ratio':>7s} {'rounds min-max':>15s}{extra}")
+    for name, (rates, ratios) in table:
+        spread = ratios["jitattn"]
+        line = (f"{name:42s} {rates['sdpa']:10.0f} {rates['jitattn']:10.0f} {statistics.median(spread):6.2f}x "
+                f"{spread[0]:7.2f}-{spread[-1]:.2f}x")
         if HOST_READ in rates:
-            line += f" {rates[HOST_READ]:10.0f} {rates[HOST_READ] / rates['sdpa']:6.2f}x"
+            line += f" {rates[HOST_READ]:10.0f} {statistics.median(ratios[HOST_READ]):6.2f}x"
         print(line)
     flash = flash_provider_rows(data, layers, args.new) if wants("flash") else {}
     print(f"\nSDPA through torch's flash-attention registry, {layers} layers "

@@ -63,7 +63,8 @@ fi
 #   backward: the varlen backward rows (the issue's shapes, peers, deterministic, skewed)
 #   transformers: tokens/s of a generation and a training step beside sdpa
 #   encoder: tools/profile_encoder.py at head dims 32 and 64 (wall, host and device totals, top kernels
-#     of one padded encoder forward: sdpa, jitattn on device, jitattn host_read)
+#     of one padded encoder forward: sdpa, jitattn on device, jitattn host_read), then
+#     tools/short_tiles.py --mask-hooks (what the padding mask hook's capture reads cost)
 #   torchflash: tools/device_check_torch_flash.sh (the torch flash-attention provider's and the
 #     transformers integration's tests, the first call with grad, issue 47's transformers table; with
 #     PYTORCH_DIR, torch's own attention tests with jitattn active). It may compile what the manifests
@@ -99,6 +100,7 @@ if wants encoder; then
   for heads in 12 6; do
     PYTHONPATH=$PWD:$PWD/tools JITATTN_DISABLE_JIT=0 python3 tools/profile_encoder.py --heads $heads 2>&1 | tee -a "$OUT/profile_encoder.log"
   done
+  JITATTN_DISABLE_JIT=0 python3 tools/short_tiles.py --mask-hooks 2>&1 | tee -a "$OUT/profile_encoder.log" | grep "^|\|^###\|FAILED"
 fi
 wants torchflash && JITATTN_DISABLE_JIT=0 tools/device_check_torch_flash.sh 2>&1 | tee "$OUT/torchflash.log"
 wants sweep && python3 tools/bench_sweep.py --quick --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log"

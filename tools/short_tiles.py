@@ -10,6 +10,12 @@ before it is timed; tiles are timed in interleaved rounds (CUDA events, warm-up,
 sets, median; tools/bench_util.py).
 
     PYTHONPATH=. python3 tools/short_tiles.py [--head-dims 32 64] [--rounds 3] [--tiles NAME ...]
+    PYTHONPATH=. python3 tools/short_tiles.py --mask-hooks [--head-dims 32 64]
+
+`--mask-hooks` instead times the default tile on the on_device path's arguments under mask hooks
+of increasing cost: none, an index-only mask (tiles classify FULL without a read), one capture
+read per classification (`whole[b]`) and the padding mask_mod itself: what the hook's capture
+reads cost one-tile sequences (notes/transformers-host.md, eighth session).
 
 The candidate kernels are collected first (JITATTN_RECORD, strict mode: no call compiles) and
 built in parallel with every core, then timed.
@@ -152,10 +158,13 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dims", type=int, nargs="+", default=[32, 64], choices=sorted(TILES))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tiles", nargs="*", default=None, help="tile names to run (substring match)")
+    parser.add_argument("--mask-hooks", action="store_true", help="the mask hook's cost by kind (see above)")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     g = torch.Generator().manual_seed(0)
+    if args.mask_hooks:
+        return mask_hooks(args.head_dims, args.rounds, g, device)
     module = _Module()
     impls, sdpa = implementations(module)
     tiles = {d: [n for n in TILES[d] if not args.tiles or n == "default" or any(t in n for t in args.tiles)]
@@ -204,6 +213,46 @@ def main(argv=None) -> int:
                 continue
             med, lo, hi = median_spread(times[(name, impl)])
             print(f"| {name} | {impl} | {med:.1f} | {lo:.1f}-{hi:.1f} | {base / med:.2f}x | {err:.1e} |")
+    return 0
+
+
+def mask_hooks(head_dims, rounds: int, g: torch.Generator, device) -> int:
+    """The default tile on the padded call's varlen arguments (`_padded`, on_device) under mask
+    hooks of increasing cost, each checked against float64 on the valid query rows."""
+    import jitattn
+    from jitattn.variants import trace_mask_mod
+
+    common = {"scale": None, "window_size": (-1, -1), "enable_gqa": False, "softcap": None}
+    for d in head_dims:
+        sets = [batch(d, g, device) for _ in range(4)]
+        runs = {"none": [], "index-only": [], "whole[b]": [], "padding mask_mod": []}
+        with torch.no_grad():
+            for q, k, v, mask in sets:
+                mapped = jt._padded(q, k, v, mask, common)
+                whole = mapped.mask_mod.tensors[0]  # (N,) bool: every key the sequence reads is a token
+                hooks = {"none": None, "index-only": trace_mask_mod(lambda b, h, q_idx, kv_idx: q_idx + kv_idx < 1 << 20),
+                         "whole[b]": trace_mask_mod(lambda b, h, q_idx, kv_idx: whole[b]),
+                         "padding mask_mod": mapped.mask_mod}
+                args = mapped[:7]
+                for name, hook in hooks.items():
+                    extra = {} if hook is None else {"mask_mod": hook}
+                    runs[name].append(lambda a=args, m=mapped, e=extra: jitattn.varlen_attn(*a, seqused_k=m.used, **e))
+            q, k, v, mask = sets[0]
+            want, valid = reference(q, k, v, mask), mask.bool()
+            for name, fns in runs.items():
+                out = fns[0]().view(q.shape[0], q.shape[2], q.shape[1], d)
+                err = (out.double() - want)[valid].abs().max().item()
+                if not err < 2e-2:
+                    print(f"d{d} {name}: FAILED against float64 (max abs err {err:.2e})")
+                    return 1
+            times = interleaved_us({n: (lambda f=f: time_us(f, reps=50)) for n, f in runs.items()}, rounds)
+        print(f"\n### mask hooks on the padded encoder call, {HIDDEN // d} heads of {d}: us per call "
+              f"(median of {rounds} interleaved rounds, min-max)")
+        print("| mask_mod | us | min-max |")
+        print("|---|---:|---|")
+        for name, t in times.items():
+            med, lo, hi = median_spread(t)
+            print(f"| {name} | {med:.1f} | {lo:.1f}-{hi:.1f} |")
     return 0
 
 

@@ -57,6 +57,8 @@ from typing import NamedTuple
 
 import torch
 
+from jitattn.kernel import evict_oldest
+
 NAME = "jitattn"
 
 
@@ -245,7 +247,7 @@ def _remember_warm(signature: tuple, query, key, value, mapped: _Mapped, common:
     starts = None if mapped.plan_key is not None else (mapped.cu_q, mapped.cu_k, mapped.used)
     shape = query.shape
     if len(_WARM) >= WARM_CALLS:
-        _WARM.pop(next(iter(_WARM)))
+        evict_oldest(_WARM)
     _WARM[signature] = _WarmCall(launch, views, starts, mapped.plan_key, (shape[0], shape[2], shape[1], shape[3]))
 
 
@@ -334,7 +336,7 @@ def _per_shape(key: tuple, device: torch.device, make):
         value = make()
         if _cacheable(device):
             if len(_PER_SHAPE) >= 64:
-                _PER_SHAPE.pop(next(iter(_PER_SHAPE)))
+                evict_oldest(_PER_SHAPE)
             _PER_SHAPE[key] = value
     return value
 

@@ -9,7 +9,7 @@ import torch
 from jitattn import checks as check
 from jitattn.jit import env
 from jitattn.jit.loader import get_module
-from jitattn.kernel import call_memo
+from jitattn.kernel import call_memo, evict_oldest
 from jitattn.variants.tree import Variant
 from jitattn.variants.window import lower_window
 from jitattn.varlen import overrides
@@ -211,7 +211,7 @@ def _typed(x):
 def _remember(key: tuple, launch: Launch) -> None:
     try:
         if len(_warm) >= WARM_ENTRIES:
-            _warm.pop(next(iter(_warm)))
+            evict_oldest(_warm)
         _warm[key] = launch
     except TypeError:  # an unhashable key (warm_key): not remembered
         pass
