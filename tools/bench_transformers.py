@@ -19,6 +19,11 @@ that round's sdpa, timed seconds apart: the host's drift cancels), with their mi
 Then SDPA's flash path (sdpa_kernel(FLASH_ATTENTION)) with torch's own kernels beside the same
 with jitattn active as torch's flash provider (jitattn.activate()), and SDPA's default choice, for
 the cases SDPA can send to flash (no mask): generate b1 and a dense train step.
+The host rows (case word "host") time one attention layer call of a decode step alone, on the
+host: jitattn's attention_forward beside transformers' sdpa_attention_forward on the same tensors
+(batch 1 with no mask, batch 8 with the left-padded mask: 2D for jitattn, the 4D bool mask sdpa is
+handed), interleaved rounds of a loop of calls (the model around it, which dominates a
+batch-1 step's host time, left out).
 --profile prints the host-side profile of one decode step at batch 1 and 8 per implementation
 (with its unprofiled wall time, device time and host waits), the host and device totals of one
 encoder forward (d32), and a cProfile (Python time between the ops) of batch-1 decode steps and
@@ -323,6 +328,37 @@ def profile_encoder(data, impls):
         torch.cuda.empty_cache()
 
 
+def host_rows(rounds: int) -> list:
+    """[(case, sdpa us, jitattn us, min-max of sdpa / jitattn per round)]: one decode layer call's
+    host time (tools/bench_util.py's host_us_rounds: a loop of calls, one sync at its end)."""
+    from bench_util import host_us_rounds
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    class Attention(torch.nn.Module):
+        is_causal = True
+        num_key_value_groups = 4
+
+    module, rows = Attention(), []
+    g = torch.Generator().manual_seed(2)
+    for batch in (1, 8):
+        q = torch.randn(batch, 16, 1, 128, generator=g).to("cuda", torch.bfloat16)
+        k, v = (torch.randn(batch, 4, PROMPT + 32, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+        mask = mask4d = None
+        if batch > 1:
+            mask = torch.ones(batch, PROMPT + 32, dtype=torch.long, device="cuda")
+            for i in range(batch):
+                mask[i, :18 * i] = 0
+            mask4d = mask.bool()[:, None, None, :]
+        with torch.no_grad():
+            times = host_us_rounds({"sdpa": lambda: sdpa_attention_forward(module, q, k, v, mask4d, scaling=128 ** -0.5),
+                                    "jitattn": lambda: jt.attention_forward(module, q, k, v, mask, scaling=128 ** -0.5)},
+                                   calls=2000, rounds=rounds)
+        ratios = sorted(a / b for a, b in zip(times["sdpa"], times["jitattn"]))
+        rows.append((f"host us per decode layer call, b{batch}", statistics.median(times["sdpa"]),
+                     statistics.median(times["jitattn"]), ratios))
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 32])
@@ -333,7 +369,7 @@ def main():
                         help='also jitattn with Backend.padding="host_read" on the padded cases')
     parser.add_argument("--cases", nargs="+", default=None,
                         help="only the rows whose name holds one of these words (generate, train, encoder, "
-                             "flash: the flash-registry rows)")
+                             "host: one decode layer call's host time, flash: the flash-registry rows)")
     args = parser.parse_args()
     wants = lambda name: args.cases is None or any(c in name for c in args.cases)  # noqa: E731
     jt.register()
@@ -373,6 +409,11 @@ def main():
         if HOST_READ in rates:
             line += f" {rates[HOST_READ]:10.0f} {statistics.median(ratios[HOST_READ]):6.2f}x"
         print(line)
+    if wants("host"):
+        print(f"{'case (us: lower is better)':42s} {'sdpa':>10s} {'jitattn':>10s} {'sdpa/ours':>9s} {'rounds min-max':>15s}")
+        for name, sdpa_us, ours_us, ratios in host_rows(args.rounds):
+            print(f"{name:42s} {sdpa_us:10.1f} {ours_us:10.1f} {statistics.median(ratios):8.2f}x "
+                  f"{ratios[0]:7.2f}-{ratios[-1]:.2f}x")
     flash = flash_provider_rows(data, layers, args.new) if wants("flash") else {}
     print(f"\nSDPA through torch's flash-attention registry, {layers} layers "
           "(flash: sdpa_kernel(FLASH_ATTENTION); jitattn: the same with jitattn.activate())")
