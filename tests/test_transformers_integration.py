@@ -790,7 +790,8 @@ def kernel_calls(monkeypatch):
 
     def run(spec, q, k, v, cu_q, cu_k, used, table, out, bad_page, pack, m_blocks, splits, min_tiles, left, right,
             scale_log2, softcap, want_lse, build_mask_map, captures):
-        record["launches"].append(dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, used=used))
+        record["launches"].append(dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, used=used, spec=spec.name,
+                                       plan=(m_blocks, splits, min_tiles, left, right, build_mask_map)))
         _, mask_mod = variants_of(None, spec.mask_mod or None, captures)
         visible = visibility(mask_mod) if mask_mod is not None else (lambda b, h, q_idx, kv_idx: True)
         ref = masked_reference(q, k, v, cu_q, cu_k, used, scale_log2 / varlen_forward.LOG2E, (left, right),
@@ -846,8 +847,8 @@ def test_later_layers_launch_the_first_layers_plan_and_stay_exact(kernel_calls):
 
 
 def test_what_changes_a_call_plans_it_again(kernel_calls, monkeypatch):
-    """A longer cache, another head count, grad, a window, another scale or a knob (JITATTN_WGMMA)
-    is a new signature: checked and planned, then warm itself."""
+    """Another head count, grad, a window, another scale or a knob (JITATTN_WGMMA) is a new
+    signature: mapped, checked and planned, then warm itself (a longer cache alone is re-planned)."""
     def call(**kw):
         shape = dict(batch=2, len_q=1, len_k=9, dtype=BF16)
         extra = {name: kw.pop(name) for name in ("scaling", "sliding_window") if name in kw}
@@ -860,7 +861,7 @@ def test_what_changes_a_call_plans_it_again(kernel_calls, monkeypatch):
 
     with torch.no_grad():
         assert [call(), call()] == [1, 0]
-        assert [call(len_k=10), call(len_k=10)] == [1, 0]
+        assert [call(len_k=10), call(len_k=10)] == [0, 0]  # a longer cache: re-planned, not mapped (below)
         assert [call(h_q=8), call(h_q=8)] == [1, 0]
         assert [call(scaling=0.25), call(scaling=0.25), call(sliding_window=4), call(sliding_window=4)] == [1, 0, 1, 0]
         monkeypatch.setenv("JITATTN_WGMMA", "0")
@@ -870,3 +871,32 @@ def test_what_changes_a_call_plans_it_again(kernel_calls, monkeypatch):
     for _ in range(2):  # with grad: never warm (each call is mapped and goes through autograd)
         jt.attention_forward(Attn(), q, k, v, None)
     assert len(kernel_calls["mapped"]) - before == 2
+
+
+def test_a_decode_steps_first_layer_replans_the_last_steps_call_for_its_longer_cache(kernel_calls, monkeypatch):
+    """A DynamicCache grows by one key per step, in a new tensor: the step's first layer re-plans
+    the last step's call for the new length without mapping or checking it (jitattn/varlen/forward.py's
+    for_max_k), and launches what the full path would (kernel, splits, window); where the
+    short-call rule changes its verdict (129 keys), the full path runs."""
+    def steps():
+        outs = []
+        with torch.no_grad():
+            for len_k in (125, 126, 127, 128, 129, 130, 400, 401):
+                for layer in range(2):
+                    q, k, v = qkv(batch=1, h_q=8, h_kv=2, len_q=1, len_k=len_k, d=64, dtype=BF16, seed=len_k + layer)
+                    out, _ = jt.attention_forward(Attn(), q, k, v, None)
+                    torch.testing.assert_close(out.double(), sdpa(q, k, v), rtol=0, atol=1e-2)
+                    outs.append(out)
+        return outs
+
+    first = steps()
+    replanned = [(c["spec"], c["plan"]) for c in kernel_calls["launches"]]
+    assert len(kernel_calls["mapped"]) == 2  # the first call, and the first past the short-call rule's 128 keys
+    kernel_calls["launches"].clear()
+    jt._WARM.clear()
+    jt._FAMILIES.clear()
+    monkeypatch.setattr(jt, "_next_length", lambda *args: None)  # every new length the full path
+    second = steps()
+    assert [(c["spec"], c["plan"]) for c in kernel_calls["launches"]] == replanned
+    assert len({plan[1] for _, plan in replanned}) > 1  # the split count follows the length
+    assert all(torch.equal(a, b) for a, b in zip(first, second))

@@ -89,7 +89,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     signature = _signature(query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, causal,
                            s_aux, kwargs)
-    warm = None if signature is None else _WARM.get(signature)
+    warm = None if signature is None else _WARM.get(signature) or _next_length(signature, query, key, value)
     if warm is not None:
         return warm.run(query, key, value, attention_mask), None
     _refuse(module, query, key, value, attention_mask, dropout, s_aux)
@@ -156,12 +156,14 @@ def use_backend(backend: Backend) -> Iterator[Backend]:
     previous, _backend = _backend, backend
     _PER_FORWARD.clear()
     _WARM.clear()
+    _FAMILIES.clear()
     try:
         yield backend
     finally:
         _backend = previous
         _PER_FORWARD.clear()
         _WARM.clear()
+        _FAMILIES.clear()
 
 
 def _varlen_attn(*args, **kwargs):
@@ -177,6 +179,9 @@ def _varlen_attn(*args, **kwargs):
 # jitattn's own backend (notes/transformers-host.md, eighth session).
 _WARM: dict = {}
 WARM_CALLS = 64
+# A dense call's family (its signature but the keys' length and strides) -> the last such call: a
+# decode step's first layer, its cache one key longer, re-plans from it (`_next_length`).
+_FAMILIES: dict = {}
 
 
 def _signature(query, key, value, mask, dropout, scaling, sliding_window, softcap, causal, s_aux, kwargs):
@@ -225,6 +230,47 @@ class _WarmCall(NamedTuple):
         return out.view(self.out_shape)
 
 
+def _family(signature: tuple) -> tuple | None:
+    """A dense call's signature without its keys' length and strides (`_signature`'s fields 2-5),
+    or None for a padded call (its plan is the mask's)."""
+    if signature[13] is not None:
+        return None
+    key_shape, value_shape = signature[2], signature[4]
+    return (signature[:2] + (key_shape[:2], key_shape[3], value_shape[:2], value_shape[3]) + signature[6:])
+
+
+def _next_length(signature: tuple, query, key, value) -> _WarmCall | None:
+    """The warm call of a dense call whose family was seen with another key length (the first
+    layer of a decode step: a cache one key longer, in a new tensor): the keys' slot views and
+    the starts for this length, the family's plan re-planned for it without the checks
+    (jitattn/varlen/forward.py's for_max_k); kept for the step's other layers. None: the full path."""
+    family = _family(signature)
+    known = None if family is None else _FAMILIES.get(family)
+    if known is None:
+        return None
+    slots = _slots(key), _slots(value)
+    if slots[0] is None or slots[1] is None or slots[0][1] != slots[1][1]:
+        return None
+    (k, rows), (v, _) = slots
+    batch, _, len_q, _ = query.shape
+    len_k = key.shape[2]
+    launch = varlen_forward().for_max_k(known.launch, len_k)
+    if launch is None:
+        return None
+    warm = _WarmCall(launch, (known.views[0], (tuple(k.shape), k.stride()), (tuple(v.shape), v.stride())),
+                     _dense_starts(batch, len_q, len_k, rows, query.device), None, known.out_shape)
+    _keep(signature, family, warm)
+    return warm
+
+
+def _keep(signature: tuple, family: tuple | None, warm: _WarmCall) -> None:
+    for memo, key in ((_WARM, signature), (_FAMILIES, family)):
+        if key is not None:
+            if len(memo) >= WARM_CALLS:
+                evict_oldest(memo)
+            memo[key] = warm
+
+
 def _view_of(view: torch.Tensor, base: torch.Tensor):
     """(size, stride) when `view` is base.as_strided(size, stride) (same storage and offset), else None."""
     if view.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() or \
@@ -246,9 +292,8 @@ def _remember_warm(signature: tuple, query, key, value, mapped: _Mapped, common:
         return
     starts = None if mapped.plan_key is not None else (mapped.cu_q, mapped.cu_k, mapped.used)
     shape = query.shape
-    if len(_WARM) >= WARM_CALLS:
-        evict_oldest(_WARM)
-    _WARM[signature] = _WarmCall(launch, views, starts, mapped.plan_key, (shape[0], shape[2], shape[1], shape[3]))
+    _keep(signature, _family(signature), _WarmCall(launch, views, starts, mapped.plan_key,
+                                                   (shape[0], shape[2], shape[1], shape[3])))
 
 
 def varlen_forward():

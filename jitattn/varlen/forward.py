@@ -34,6 +34,22 @@ def captures_of(score_mod, mask_mod) -> tuple:
     return (score_mod.tensors if score_mod else ()) + (mask_mod.tensors if mask_mod else ())
 
 
+class KeyRule(NamedTuple):
+    """What `plan` derived a Launch's key-length facts from (the split count, the short-call rule,
+    the mask map's flag), so a call that differs from a planned one in max_k alone is re-planned
+    without its checks (`for_max_k`: a model's decode steps, one key longer each)."""
+
+    tile_n: int
+    ctas: int  # CTAs of one split: row blocks x sequences x KV heads
+    capacity: int  # CTAs of the kernel in one wave on the call's device
+    auto_splits: bool  # num_splits was None
+    short_rows: bool  # max_q * group <= SHORT_ROWS: the short-call rule's other half
+    short: bool  # the short-call rule's verdict the kernel was chosen with
+    map_layout: tuple
+    map_units: int  # work units per KV head: sequences x row blocks
+    heads_kv: int
+
+
 class Launch(NamedTuple):
     """Everything a call's launch needs but its tensors: what `plan` derives from a checked
     call's shapes, dtypes, strides, scalars and variants' trees (and the device, the overrides
@@ -53,6 +69,7 @@ class Launch(NamedTuple):
     mask_captures: bool  # the mask_mod's tensors go to the kernel (not lowered to a window)
     out_like_query: bool  # out = torch.empty_like(query): the query's layout is not the binding's
     ready: bool  # inputs as given: aligned, contiguous metadata (a warm call may skip the checks)
+    key_rule: KeyRule
 
 
 def plan(call: VarlenCall) -> Launch:
@@ -69,9 +86,10 @@ def plan(call: VarlenCall) -> Launch:
     mask_mod, window_left, window_right = lower_window(call.mask_mod, args.window_left, args.window_right,
                                                        env.lower_mask_windows())
     variants = (score_mod.key_text if score_mod else "", mask_mod.key_text if mask_mod else "")
+    short_rows = max_q * group <= SHORT_ROWS
     facts = (args.head_dim, query.dtype, args.paged, args.softcap > 0, max_q * group <= DECODE_ROWS,
-             args.num_splits == 1, hopper, hopper and env.wgmma_enabled(),
-             max_q * group <= SHORT_ROWS and call.max_k <= SHORT_KEYS, overrides.state(), variants)
+             args.num_splits == 1, hopper, hopper and env.wgmma_enabled(), short_rows and call.max_k <= SHORT_KEYS,
+             overrides.state(), variants)
     entry = _kernels.get(facts)
     if entry is None:
         spec = VarlenSpec.for_call(facts[0], check.DTYPE_NAMES[query.dtype], *facts[2:9], score_mod=variants[0],
@@ -80,13 +98,9 @@ def plan(call: VarlenCall) -> Launch:
                                    mask_map_layout(spec))
     kernel, block_m, tile_n, map_layout = entry
     m_blocks = -(-max_q * group // block_m)
-    # Explicit splits: every row block takes that many. Automatic: the grid has room for
-    # `splits`, and each block takes as many of them as its own keys fill (counted on the device).
-    splits, min_tiles = args.num_splits, 0
-    if splits is None:
-        ctas = m_blocks * args.num_seqs * args.num_heads_kv
-        splits, min_tiles = auto_splits(ctas, call.max_k, tile_n, kernel.capacity(args.device)), MIN_SPLIT_TILES
-    splits = min(splits, MAX_SPLITS)
+    rule = KeyRule(tile_n, m_blocks * args.num_seqs * args.num_heads_kv, kernel.capacity(args.device),
+                   args.num_splits is None, short_rows, facts[8], map_layout, args.num_seqs * m_blocks, args.num_heads_kv)
+    splits, min_tiles = _splits(rule, args.num_splits, call.max_k)
     # The output takes the query's layout, as torch's does (`torch.empty_like(query)`, also in
     # the fake kernel). A query with those strides gets them from the binding's allocation.
     out_like_query = query.stride() != (query.shape[1] * args.head_dim, args.head_dim, 1)
@@ -95,9 +109,31 @@ def plan(call: VarlenCall) -> Launch:
              and (call.block_table is None or call.block_table.stride(-1) == 1)
              and (call.out is None or check.reads_in_place(call.out)))
     return Launch(kernel, group, m_blocks, splits, min_tiles, window_left, window_right, args.scale * LOG2E,
-                  args.softcap, args.return_lse,
-                  any(mask_map_flag(map_layout, call.max_k, tile_n, args.num_seqs * m_blocks, args.num_heads_kv)),
-                  mask_mod is not None, out_like_query, ready)
+                  args.softcap, args.return_lse, _builds_map(rule, call.max_k), mask_mod is not None, out_like_query,
+                  ready, rule)
+
+
+def _splits(rule: KeyRule, num_splits: int | None, max_k: int) -> tuple[int, int]:
+    """(splits, split_min_tiles). Explicit: every row block takes that many. Automatic: the grid has
+    room for `splits`, and each block takes as many of them as its own keys fill (counted on the device)."""
+    if rule.auto_splits:
+        return min(auto_splits(rule.ctas, max_k, rule.tile_n, rule.capacity), MAX_SPLITS), MIN_SPLIT_TILES
+    return min(num_splits, MAX_SPLITS), 0
+
+
+def _builds_map(rule: KeyRule, max_k: int) -> bool:
+    return any(mask_map_flag(rule.map_layout, max_k, rule.tile_n, rule.map_units, rule.heads_kv))
+
+
+def for_max_k(launch: Launch, max_k: int) -> Launch | None:
+    """`launch` re-planned for a call that differs from its own in max_k alone (and in the key
+    tensors' length, which the caller vouches for: jitattn/integrations/transformers.py), or None
+    where another kernel would run (the short-call rule changes its verdict): then the full path."""
+    rule = launch.key_rule
+    if (rule.short_rows and max_k <= SHORT_KEYS) != rule.short:
+        return None
+    splits, min_tiles = _splits(rule, launch.splits, max_k)
+    return launch._replace(splits=splits, min_tiles=min_tiles, build_mask_map=_builds_map(rule, max_k))
 
 
 def _run(launch: Launch, query, key, value, cu_seq_q, cu_seq_k, seqused_k, block_table, out, bad_page,
