@@ -873,19 +873,30 @@ def test_what_changes_a_call_plans_it_again(kernel_calls, monkeypatch):
     assert len(kernel_calls["mapped"]) - before == 2
 
 
-def test_a_decode_steps_first_layer_replans_the_last_steps_call_for_its_longer_cache(kernel_calls, monkeypatch):
-    """A DynamicCache grows by one key per step, in a new tensor: the step's first layer re-plans
-    the last step's call for the new length without mapping or checking it (jitattn/varlen/forward.py's
-    for_max_k), and launches what the full path would (kernel, splits, window); where the
-    short-call rule changes its verdict (129 keys), the full path runs."""
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_decode_steps_first_layer_replans_the_last_steps_call_for_its_longer_cache(kernel_calls, padded):
+    """A DynamicCache grows by one key per step, in a new tensor (and the padding mask by one
+    column): the step's first layer re-plans the last step's call for the new length without
+    mapping or checking it (jitattn/varlen/forward.py's for_max_k), and launches what the full path
+    would (kernel, splits, window, mask map); where the short-call rule changes its verdict (129
+    keys), the full path runs."""
+    batch = 3 if padded else 1
+
     def steps():
         outs = []
         with torch.no_grad():
             for len_k in (125, 126, 127, 128, 129, 130, 400, 401):
+                mask = None
+                if padded:  # left padding, a gap in row 2
+                    mask = torch.ones(batch, len_k, dtype=torch.long)
+                    mask[1, :7] = 0
+                    mask[2, :3] = 0
+                    mask[2, 10] = 0
                 for layer in range(2):
-                    q, k, v = qkv(batch=1, h_q=8, h_kv=2, len_q=1, len_k=len_k, d=64, dtype=BF16, seed=len_k + layer)
-                    out, _ = jt.attention_forward(Attn(), q, k, v, None)
-                    torch.testing.assert_close(out.double(), sdpa(q, k, v), rtol=0, atol=1e-2)
+                    q, k, v = qkv(batch=batch, h_q=8, h_kv=2, len_q=1, len_k=len_k, d=64, dtype=BF16,
+                                  seed=len_k + layer)
+                    out, _ = jt.attention_forward(Attn(), q, k, v, mask)
+                    torch.testing.assert_close(out.double(), sdpa(q, k, v, mask=mask), rtol=0, atol=1e-2)
                     outs.append(out)
         return outs
 
@@ -893,10 +904,9 @@ def test_a_decode_steps_first_layer_replans_the_last_steps_call_for_its_longer_c
     replanned = [(c["spec"], c["plan"]) for c in kernel_calls["launches"]]
     assert len(kernel_calls["mapped"]) == 2  # the first call, and the first past the short-call rule's 128 keys
     kernel_calls["launches"].clear()
-    jt._WARM.clear()
-    jt._FAMILIES.clear()
-    monkeypatch.setattr(jt, "_next_length", lambda *args: None)  # every new length the full path
-    second = steps()
+    # The same kernels on a backend of its own: no warm calls, every call the full path.
+    with jt.use_backend(jt.Backend(jt.JITATTN_BACKEND.varlen_attn)):
+        second = steps()
     assert [(c["spec"], c["plan"]) for c in kernel_calls["launches"]] == replanned
     assert len({plan[1] for _, plan in replanned}) > 1  # the split count follows the length
     assert all(torch.equal(a, b) for a, b in zip(first, second))

@@ -34,7 +34,9 @@ and needs no flash-attn package. How a call maps (query (B, H_q, L_q, D), key/va
 - warm layer calls: a layer whose call has the signature of one before it (shapes, strides,
   dtypes, the mask's metadata, the scalars: every layer of a forward pass but the first) skips the
   mapping and the checks and launches the plan kept for it (`_WarmCall`), its views rebuilt on the
-  new tensors and a padded call's plan looked up per mask as above (inference only).
+  new tensors and a padded call's plan looked up per mask as above (inference only). A decode
+  step's first layer (a cache one key longer, a mask one column longer) re-plans the last step's
+  call for its length (`_next_length`) rather than mapping and checking it anew.
 - `Backend` / `use_backend` is the seam between the argument mapping and the kernel (tests put
   the float64 reference there, as `torch_flash.Kernels` / `use_kernels` do for that provider).
 - packed sequences (batch 1): `cu_seq_lens_q/k` + `max_length_q/k` (DataCollatorWithFlattening
@@ -89,7 +91,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     signature = _signature(query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, causal,
                            s_aux, kwargs)
-    warm = None if signature is None else _WARM.get(signature) or _next_length(signature, query, key, value)
+    warm = None if signature is None else (_WARM.get(signature)
+                                           or _next_length(signature, query, key, value, attention_mask))
     if warm is not None:
         return warm.run(query, key, value, attention_mask), None
     _refuse(module, query, key, value, attention_mask, dropout, s_aux)
@@ -179,8 +182,8 @@ def _varlen_attn(*args, **kwargs):
 # jitattn's own backend (notes/transformers-host.md, eighth session).
 _WARM: dict = {}
 WARM_CALLS = 64
-# A dense call's family (its signature but the keys' length and strides) -> the last such call: a
-# decode step's first layer, its cache one key longer, re-plans from it (`_next_length`).
+# A call's family (its signature but the keys' and the mask's length and strides) -> the last such
+# call: a decode step's first layer, its cache one key longer, re-plans from it (`_next_length`).
 _FAMILIES: dict = {}
 
 
@@ -230,35 +233,41 @@ class _WarmCall(NamedTuple):
         return out.view(self.out_shape)
 
 
-def _family(signature: tuple) -> tuple | None:
-    """A dense call's signature without its keys' length and strides (`_signature`'s fields 2-5),
-    or None for a padded call (its plan is the mask's)."""
-    if signature[13] is not None:
-        return None
-    key_shape, value_shape = signature[2], signature[4]
-    return (signature[:2] + (key_shape[:2], key_shape[3], value_shape[:2], value_shape[3]) + signature[6:])
+def _family(signature: tuple) -> tuple:
+    """A call's signature without its keys' length and strides (`_signature`'s fields 2-5) and, for
+    a padded call, without the mask's length, strides and address (field 13)."""
+    key_shape, value_shape, mask = signature[2], signature[4], signature[13]
+    mask = None if mask is None else (mask[0][0], mask[2], mask[3])  # rows, dtype, device
+    return (signature[:2] + (key_shape[:2], key_shape[3], value_shape[:2], value_shape[3]) + signature[6:13]
+            + (mask,) + signature[14:])
 
 
-def _next_length(signature: tuple, query, key, value) -> _WarmCall | None:
-    """The warm call of a dense call whose family was seen with another key length (the first
-    layer of a decode step: a cache one key longer, in a new tensor): the keys' slot views and
-    the starts for this length, the family's plan re-planned for it without the checks
+def _next_length(signature: tuple, query, key, value, mask) -> _WarmCall | None:
+    """The warm call of a call whose family was seen with another key length (the first layer of
+    a decode step: a cache one key longer, in a new tensor, and a mask one column longer): the
+    keys' slot views for this length, a dense call's starts (a padded call's plan is looked up per
+    mask, as always), and the family's plan re-planned for the length without the checks
     (jitattn/varlen/forward.py's for_max_k); kept for the step's other layers. None: the full path."""
     family = _family(signature)
-    known = None if family is None else _FAMILIES.get(family)
+    known = _FAMILIES.get(family)
     if known is None:
         return None
+    if mask is not None and key.shape[2] > mask.shape[1]:  # as _padded: only the mask's keys
+        key, value = key[:, :, :mask.shape[1]], value[:, :, :mask.shape[1]]
     slots = _slots(key), _slots(value)
     if slots[0] is None or slots[1] is None or slots[0][1] != slots[1][1]:
         return None
     (k, rows), (v, _) = slots
     batch, _, len_q, _ = query.shape
     len_k = key.shape[2]
-    launch = varlen_forward().for_max_k(known.launch, len_k)
+    launch = varlen_forward().for_max_k(known.launch, len_k)  # max_k is L_k on both paths (no host read)
     if launch is None:
         return None
-    warm = _WarmCall(launch, (known.views[0], (tuple(k.shape), k.stride()), (tuple(v.shape), v.stride())),
-                     _dense_starts(batch, len_q, len_k, rows, query.device), None, known.out_shape)
+    views = (known.views[0], (tuple(k.shape), k.stride()), (tuple(v.shape), v.stride()))
+    if mask is None:
+        warm = _WarmCall(launch, views, _dense_starts(batch, len_q, len_k, rows, query.device), None, known.out_shape)
+    else:
+        warm = _WarmCall(launch, views, None, (len_q, len_k, rows) + known.plan_key[3:], known.out_shape)
     _keep(signature, family, warm)
     return warm
 
