@@ -1,5 +1,5 @@
-"""A loaded kernel module as a family's API uses it (its wave size per device, its C entry point
-or its `run` op), and the per-call memos that keep the warm path to a dictionary lookup."""
+"""A loaded kernel module as a family's API uses it (its wave size per device, its C entry point),
+and the per-call memos that keep the warm path to a dictionary lookup."""
 from __future__ import annotations
 
 import contextlib
@@ -86,11 +86,3 @@ class CEntryKernel(LoadedKernel):
         """Launch with packed params; a failure in the entry point comes back as a RuntimeError."""
         if self._launch(params):
             raise RuntimeError(self._error().decode(errors="replace"))
-
-
-class OpKernel(LoadedKernel):
-    """A module launched through its `run` op (an OpOverload: no overload resolution per call)."""
-
-    def __init__(self, module):
-        super().__init__(module)
-        self.run = module.ops.run.default
