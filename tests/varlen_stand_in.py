@@ -18,11 +18,13 @@ RUN_ARGS = ("q", "k", "v", "cu_q", "cu_k", "used", "table", "out", "bad_page", "
 
 def stand_in_forward_kernels(monkeypatch, run, ctas_per_sm: int = 2) -> None:
     import jitattn.varlen.forward as forward
+    from jitattn.varlen.spec import mask_map_layout
 
     class StandInKernel(LoadedKernel):
         def __init__(self, module, spec):
             super().__init__(module)
             self.spec = spec
+            self.mask_map, self.mask_map_per_head = mask_map_layout(spec)  # as VarlenKernel reads them
 
         def run(self, *args):
             assert len(args) == len(RUN_ARGS), f"VarlenKernel.run takes {len(RUN_ARGS)} arguments, got {len(args)}"

@@ -17,7 +17,7 @@ from jitattn.varlen.checks import VarlenCall, check_varlen_values
 from jitattn.varlen.launch import VarlenKernel
 from jitattn.varlen.plan import (DECODE_ROWS, MAX_SPLITS, MIN_SPLIT_TILES, SHORT_KEYS, SHORT_ROWS, auto_splits,
                                  is_hopper)
-from jitattn.varlen.spec import VarlenSpec, mask_map_flag, mask_map_layout
+from jitattn.varlen.spec import VarlenSpec, mask_map_flag
 
 LOG2E = 1.4426950408889634
 
@@ -94,9 +94,9 @@ def plan(call: VarlenCall) -> Launch:
     if entry is None:
         spec = VarlenSpec.for_call(facts[0], check.DTYPE_NAMES[query.dtype], *facts[2:9], score_mod=variants[0],
                                    mask_mod=variants[1])
-        entry = _kernels[facts] = (VarlenKernel(get_module(spec), spec), spec.block_m, spec.block_n,
-                                   mask_map_layout(spec))
-    kernel, block_m, tile_n, map_layout = entry
+        entry = _kernels[facts] = (VarlenKernel(get_module(spec), spec), spec.block_m, spec.block_n)
+    kernel, block_m, tile_n = entry
+    map_layout = (kernel.mask_map, kernel.mask_map_per_head)  # read from the spec once, by the kernel
     m_blocks = -(-max_q * group // block_m)
     rule = KeyRule(tile_n, m_blocks * args.num_seqs * args.num_heads_kv, kernel.capacity(args.device),
                    args.num_splits is None, short_rows, facts[8], map_layout, args.num_seqs * m_blocks, args.num_heads_kv)
