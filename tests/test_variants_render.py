@@ -145,22 +145,6 @@ def test_classify_with_range_reads_settles_tiles_inside_and_between_documents():
     assert interval.classify(u, 0, 0, 1, 0, 5, 1, 2, ranges=True) == interval.PARTIAL
 
 
-def test_prefetch_asks_for_the_reads_indexed_by_the_sequence_alone():
-    """MaskMod::prefetch covers the reads whose indices are functions of b and constants (the
-    padding mask's whole[b] and first[b // 2], a prefix length) and no other: not one indexed by a
-    position or the head, nor one indexed by another read (it would need that read's value)."""
-    whole, first = torch.ones(4, dtype=torch.bool), torch.zeros(2, dtype=torch.int32)
-    mask, slopes = torch.ones(2, 9, dtype=torch.bool), torch.ones(3, dtype=torch.int32)
-    v = trace_mask_mod(lambda b, h, q, kv: whole[b] | mask[b // 2, first[b // 2] + kv] | (slopes[h] > q))
-    body = render_mask_mod(v).split("void prefetch(int b) const {")[1].split("}")[0]
-    reads = re.findall(r"prefetch_bits<(\w+)>\(caps\[(\d)\]((?:, \w+)*)\)", body)
-    assert reads == [("uint8_t", "0", ", b"), ("uint32_t", "1", ", f1")], body  # whole, then first
-    assert "floordiv(b, 2)" in body
-    assert [node[1] for node in render.sequence_reads(render.Shared(v.tree, v.captures))] == [0, 1]
-    none = trace_mask_mod(lambda b, h, q, kv: q >= kv)
-    assert "prefetch_bits" not in render_mask_mod(none)
-
-
 def random_mask_tree(rng, depth=0):
     """A random bool tree over int arithmetic (wrapping, floor division, loads of capture 0, an
     int32 (N_HEADS, N_TOKENS) table, read out of range too) and the odd float comparison."""
@@ -319,7 +303,6 @@ MaskMod ScoreMod DATA_DEPENDENT USES_HEAD pack visible TileClass classify kv_hea
 may_true may_false lo hi long INFINITY IInt IBool IFloat The user s score_mod mask_mod rendered by jitattn variants
 render py from the tree returns f scale dscore per element tile interval analysis sound e fmaf
 classify_warp also reads captures over index ranges by the whole warp mask map i0 i1 i2 i3 iv_read iv_bool_of
-void prefetch prefetch_bits uint8_t uint32_t uint64_t unsigned short
 """.split()) | {f"load_{d}" for d in ("float32", "float16", "bfloat16", "int32", "int64", "bool")} | \
     set(render.INT_FUNCTIONS.values()) | set(render.FLOAT_FUNCTIONS.values()) | {"fminimum", "fmaximum"} | \
     {f"iv_{op}" for op in ("exact", "full", "is_exact", "bool", "unknown", "add", "sub", "mul", "neg", "abs", "min",
@@ -336,10 +319,10 @@ def test_rendered_code_uses_only_jitattns_own_words_on_random_trees():
             v = Variant(kind, random_valid_tree(rng, kind), (("float32", 1), ("int32", 2)))
             source = render_score_mod(v) if kind == "score_mod" else render_mask_mod(v)
             comments = [line for line in source.splitlines() if line.startswith("//")]
-            assert f"// {v.digest}: " in source and len(comments) == (4 if kind == "mask_mod" else 2)
+            assert f"// {v.digest}: " in source and len(comments) == (3 if kind == "mask_mod" else 2)
             code = "\n".join(line for line in source.splitlines() if not line.startswith("//"))
             words = set(re.findall(r"[A-Za-z_]\w*", code))
-            stray = {w for w in words - ALLOWED_WORDS if not re.fullmatch(r"[tdva]\d+|f\d*|e\d*", w)}
+            stray = {w for w in words - ALLOWED_WORDS if not re.fullmatch(r"[tdva]\d+|f|e\d*", w)}
             assert not stray, (stray, v.key_text)
 
 

@@ -404,38 +404,6 @@ def mask_map_needs(v: Variant) -> tuple[bool, bool]:
     return (any(node[0] == "load" for node in nodes), any(node == ("arg", "h") for node in nodes))
 
 
-# The bits a capture read loads (variant.cuh's bits_at), by the capture's dtype.
-READ_BITS = {"float32": "uint32_t", "float16": "unsigned short", "bfloat16": "unsigned short", "int32": "uint32_t",
-             "int64": "uint64_t", "bool": "uint8_t"}
-
-
-def sequence_reads(shared: Shared) -> list[tuple]:
-    """The capture reads whose indices are functions of ``b`` and constants alone (a sequence's
-    flag or offset: the padding mask's whole[b], a prefix length c[b]), which a CTA can ask for
-    before it knows anything but its sequence."""
-    by_sequence: dict[int, bool] = {}
-    reads = []
-    for node in shared.nodes:  # children first
-        kids = all(by_sequence[shared.number(child)] for child in children(node))
-        if node[0] == "load":
-            if kids:
-                reads.append(node)
-            kids = False  # an index read from a capture would need the read itself
-        elif node[0] == "arg":
-            kids = node[1] == "b"
-        by_sequence[shared.number(node)] = kids
-    return reads
-
-
-def _prefetch_body(shared: Shared) -> str:
-    emitter = _Emitter(shared, "f")
-    for node in sequence_reads(shared):
-        indices = "".join(", " + emitter.value(i) for i in node[2:])
-        bits = READ_BITS[shared.captures[node[1]][0]]
-        emitter.lines.append(f"{emitter.indent}{NS}prefetch_bits<{bits}>(caps[{node[1]}]{indices});")
-    return _body(emitter)
-
-
 def render_mask_mod(v: Variant, qualifiers: str = "__device__ __forceinline__") -> str:
     """The MaskMod struct for mask_mod ``v``: visible() per element, classify() per tile by the
     interval analysis of interval.py (sound: EMPTY and FULL only where certain)."""
@@ -464,8 +432,7 @@ def render_mask_mod(v: Variant, qualifiers: str = "__device__ __forceinline__") 
     return (
         "// The user's mask_mod, rendered by jitattn/variants/render.py from the tree\n"
         f"// {v.digest}: visible() per element, classify() per tile (interval analysis, sound; classify_warp()\n"
-        "// also reads captures over index ranges, by the whole warp: the mask map's; prefetch() asks L1 for classify()'s\n"
-        "// reads at an exact b).\n"
+        "// also reads captures over index ranges, by the whole warp: the mask map's).\n"
         "struct MaskMod {\n"
         "  static constexpr bool ACTIVE = true;\n"
         f"  static constexpr bool DATA_DEPENDENT = {literal(reads)};\n"
@@ -479,9 +446,6 @@ def render_mask_mod(v: Variant, qualifiers: str = "__device__ __forceinline__") 
         "  }\n"
         f"  {qualifiers} TileClass classify({tile_args}) const {{\n"
         f"{_body(tile)}    return !{verdict}.may_true ? TILE_EMPTY : !{verdict}.may_false ? TILE_FULL : TILE_PARTIAL;\n"
-        "  }\n"
-        f"  {qualifiers} void prefetch(int b) const {{\n"
-        f"{_prefetch_body(Shared(v.tree, v.captures))}"
         "  }\n"
         f"  {qualifiers} TileClass classify_warp({tile_args}) const {{\n"
         f"{_body(warp_tile)}    return !{warp_verdict}.may_true ? TILE_EMPTY : !{warp_verdict}.may_false ? TILE_FULL : "

@@ -30,9 +30,6 @@ constexpr int M_BAND = 1024 / BLOCK_M > 1 ? 1024 / BLOCK_M : 1;
 template <bool USE_MAP = true>
 __device__ __forceinline__ bool block_extent(const VarlenParams& p, Work& w, int& t_lo, int& t_hi) {
   const int m_block = w.m0 / BLOCK_M;
-  // A mask_mod's per-sequence capture reads (classify's below, without a map) go out with the
-  // metadata loads: on a one-tile sentence they were a second memory latency before any tile.
-  if (MaskMod::DATA_DEPENDENT && !(USE_MAP && p.mask_map)) mask_mod_of(p).prefetch(w.seq);
   // Every metadata load first, so they share one memory latency: the key side's behind the
   // early return below cost a second one (clock stamps: notes/forward-h200.md).
   w.q_start = p.cu_seq_q[w.seq];

@@ -127,5 +127,4 @@ struct NoMaskMod {
   __device__ __forceinline__ bool visible(int, int, int, int) const { return true; }
   __device__ __forceinline__ TileClass classify(int, int, int, int, int, int) const { return TILE_FULL; }
   __device__ __forceinline__ TileClass classify_warp(int, int, int, int, int, int) const { return TILE_FULL; }
-  __device__ __forceinline__ void prefetch(int) const {}
 };

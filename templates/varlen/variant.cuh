@@ -54,20 +54,6 @@ JITATTN_VARIANT_FN Bits bits_at(const Capture& c, int i0, int i1, int i2, int i3
 #endif
 }
 
-// Ask L1 for the element at an index (nothing outside the capture or from an empty one): a
-// mask_mod's per-sequence reads (MaskMod::prefetch) are asked for at a CTA's start, beside its
-// sequence's metadata loads, so the tile classification after them does not wait a second
-// memory latency (a one-tile sentence's CTA is mostly latency: notes/transformers-host.md).
-template <class Bits>
-JITATTN_VARIANT_FN void prefetch_bits(const Capture& c, int i0 = 0, int i1 = 0, int i2 = 0, int i3 = 0) {
-#ifdef __CUDA_ARCH__
-  const bool inside = (unsigned(i0) < unsigned(c.size[0])) & (unsigned(i1) < unsigned(c.size[1])) &
-                      (unsigned(i2) < unsigned(c.size[2])) & (unsigned(i3) < unsigned(c.size[3]));
-  const int64_t at = i0 * c.stride[0] + i1 * c.stride[1] + i2 * c.stride[2] + i3 * c.stride[3];
-  if (inside && c.data) asm volatile("prefetch.global.L1 [%0];" ::"l"(static_cast<const Bits*>(c.data) + at));
-#endif
-}
-
 JITATTN_VARIANT_FN float load_float32(const Capture& c, int i0 = 0, int i1 = 0, int i2 = 0, int i3 = 0) {
   const uint32_t bits = bits_at<uint32_t>(c, i0, i1, i2, i3);
   float value;
