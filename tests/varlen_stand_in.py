@@ -14,6 +14,9 @@ from jitattn.kernel import LoadedKernel
 # VarlenKernel.run's positional arguments, in order.
 RUN_ARGS = ("q", "k", "v", "cu_q", "cu_k", "used", "table", "out", "bad_page", "pack", "m_blocks", "splits",
             "split_min_tiles", "left", "right", "scale_log2", "softcap", "want_lse", "build_mask_map", "captures")
+# VarlenKernel.keep's arguments after q, k, v, cu_q, cu_k, used, in order.
+KEEP_ARGS = ("pack", "m_blocks", "splits", "split_min_tiles", "left", "right", "scale_log2", "softcap",
+             "build_mask_map", "captures", "out_shape")
 
 
 def stand_in_forward_kernels(monkeypatch, run, ctas_per_sm: int = 2) -> None:
@@ -29,6 +32,30 @@ def stand_in_forward_kernels(monkeypatch, run, ctas_per_sm: int = 2) -> None:
         def run(self, *args):
             assert len(args) == len(RUN_ARGS), f"VarlenKernel.run takes {len(RUN_ARGS)} arguments, got {len(args)}"
             return run(self.spec, *args)
+
+        def keep(self, q, k, v, cu_q, cu_k, used, *rest):
+            assert len(rest) == len(KEEP_ARGS), f"VarlenKernel.keep takes {6 + len(KEEP_ARGS)} arguments"
+            return StandInKept(self, q, k, v, dict(zip(KEEP_ARGS, rest)))
+
+    class StandInKept:
+        """VarlenKernel.keep's KeptLaunch: run() reads the tensors it is given in the kept layouts
+        (as the kernel reads their data pointers with the kept strides) and calls `run` with the
+        kept arguments."""
+
+        def __init__(self, kernel, q, k, v, kept):
+            self.kernel, self.kept = kernel, kept
+            self.layouts = [(tuple(t.shape), t.stride()) for t in (q, k, v)]
+            self.num_captures = len(kept["captures"])
+
+        def run(self, q, k, v, cu_q, cu_k, used, captures=()):
+            assert len(captures) == self.num_captures
+            q, k, v = (t.as_strided(size, stride) for t, (size, stride) in zip((q, k, v), self.layouts))
+            kept = self.kept
+            out, _ = self.kernel.run(q, k, v, cu_q, cu_k, used, None, None, None, kept["pack"], kept["m_blocks"],
+                                     kept["splits"], kept["split_min_tiles"], kept["left"], kept["right"],
+                                     kept["scale_log2"], kept["softcap"], False, kept["build_mask_map"],
+                                     tuple(captures))
+            return out.view(kept["out_shape"])
 
     module = types.SimpleNamespace(ops=types.SimpleNamespace(
         ctas_per_sm=types.SimpleNamespace(default=lambda device: ctas_per_sm)))

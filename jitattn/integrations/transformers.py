@@ -213,23 +213,37 @@ def _signature(query, key, value, mask, dropout, scaling, sliding_window, softca
 class _WarmCall(NamedTuple):
     """A remembered call: the views of query / key / value it launches on (size, stride: their
     storage offsets are the tensors'), its metadata (a dense call's own starts, or None: the
-    padding mask's plan), and the plan (jitattn/varlen/forward.py's Launch)."""
+    padding mask's plan), the plan (jitattn/varlen/forward.py's Launch) and, once it ran warm,
+    the launch packed for the layout (jitattn/varlen/launch.py's KeptLaunch: a warm call then
+    writes its pointers alone; [None] until then, [False] where it does not apply)."""
 
     launch: object
     views: tuple
     starts: tuple | None
     plan_key: tuple | None
     out_shape: tuple
+    kept: list
 
     def run(self, query, key, value, mask):
-        (q_size, q_stride), (k_size, k_stride), (v_size, v_stride) = self.views
-        q, k, v = query.as_strided(q_size, q_stride), key.as_strided(k_size, k_stride), value.as_strided(v_size, v_stride)
         if self.starts is not None:
             (cu_q, cu_k, used), mask_mod = self.starts, None
         else:
             plan = _plan_of(mask, query.device, self.plan_key)
             cu_q, cu_k, used, mask_mod = plan.cu_q, plan.cu_k, plan.used, plan.mask_mod
-        out, _ = varlen_forward().run_remembered(self.launch, q, k, v, cu_q, cu_k, used, None, None, None, mask_mod)
+        kept = self.kept[0]
+        if kept:
+            return kept.run(query, key, value, cu_q, cu_k, used,
+                            mask_mod.tensors if mask_mod is not None and self.launch.mask_captures else ())
+        (q_size, q_stride), (k_size, k_stride), (v_size, v_stride) = self.views
+        q, k, v = query.as_strided(q_size, q_stride), key.as_strided(k_size, k_stride), value.as_strided(v_size, v_stride)
+        forward = varlen_forward()
+        if kept is None:  # the first warm run packs the launch; its views start where the tensors do
+            kept = forward.keep_launch(self.launch, q, k, v, cu_q, cu_k, used, mask_mod, self.out_shape)
+            self.kept[0] = kept if kept is not None else False
+            if kept is not None:
+                return kept.run(query, key, value, cu_q, cu_k, used,
+                                mask_mod.tensors if mask_mod is not None and self.launch.mask_captures else ())
+        out, _ = forward.run_remembered(self.launch, q, k, v, cu_q, cu_k, used, None, None, None, mask_mod)
         return out.view(self.out_shape)
 
 
@@ -265,9 +279,10 @@ def _next_length(signature: tuple, query, key, value, mask) -> _WarmCall | None:
         return None
     views = (known.views[0], (tuple(k.shape), k.stride()), (tuple(v.shape), v.stride()))
     if mask is None:
-        warm = _WarmCall(launch, views, _dense_starts(batch, len_q, len_k, rows, query.device), None, known.out_shape)
+        warm = _WarmCall(launch, views, _dense_starts(batch, len_q, len_k, rows, query.device), None, known.out_shape,
+                         [None])
     else:
-        warm = _WarmCall(launch, views, None, (len_q, len_k, rows) + known.plan_key[3:], known.out_shape)
+        warm = _WarmCall(launch, views, None, (len_q, len_k, rows) + known.plan_key[3:], known.out_shape, [None])
     _keep(signature, family, warm)
     return warm
 
@@ -302,7 +317,7 @@ def _remember_warm(signature: tuple, query, key, value, mapped: _Mapped, common:
     starts = None if mapped.plan_key is not None else (mapped.cu_q, mapped.cu_k, mapped.used)
     shape = query.shape
     _keep(signature, _family(signature), _WarmCall(launch, views, starts, mapped.plan_key,
-                                                   (shape[0], shape[2], shape[1], shape[3])))
+                                                   (shape[0], shape[2], shape[1], shape[3]), [None]))
 
 
 def varlen_forward():

@@ -146,6 +146,18 @@ def _run(launch: Launch, query, key, value, cu_seq_q, cu_seq_k, seqused_k, block
                              captures_of(score_mod, mask_mod if launch.mask_captures else None))
 
 
+def keep_launch(launch: Launch, query, key, value, cu_seq_q, cu_seq_k, seqused_k, mask_mod, out_shape):
+    """`launch` on these ready tensors packed once (launch.py's KeptLaunch), for a caller that
+    runs it again on tensors of the same layout, or None where a kept launch does not apply (an
+    lse asked for, an output laid out like a query the binding's layout does not fit)."""
+    if launch.return_lse or launch.out_like_query:
+        return None
+    return launch.kernel.keep(query, key, value, cu_seq_q, cu_seq_k, seqused_k, launch.group, launch.m_blocks,
+                              launch.splits, launch.min_tiles, launch.window_left, launch.window_right,
+                              launch.scale_log2, launch.softcap, launch.build_mask_map,
+                              captures_of(None, mask_mod if launch.mask_captures else None), out_shape)
+
+
 def forward(call: VarlenCall, remember_as: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Plan and launch a checked call. Returns (out, lse); lse is (0, T_q) unless the call asked for it.
     remember_as: the call's `warm_key`, under which its plan is kept for warm calls (when its

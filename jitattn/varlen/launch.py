@@ -3,6 +3,7 @@ VarlenParams (templates/varlen/params.h), the outputs allocated here through tor
 allocator on the query's device."""
 from __future__ import annotations
 
+import math
 import struct
 
 import torch
@@ -64,24 +65,47 @@ class VarlenKernel(CEntryKernel):
         new lse (H_q, T_q) float32 (else None). Returns (out, lse). Inputs are checked and ready
         (jitattn/varlen/forward.py): CUDA, on one device, 16-byte rows."""
         total_q, heads_q = q.shape[0], q.shape[1]
-        device = q.device
-        head_dim = self.head_dim
         if out is None:
-            out = torch.empty((total_q, heads_q, head_dim), dtype=q.dtype, device=device)
-        lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=device) if want_lse else None
-        partial_o = partial_lse = 0
-        if num_splits > 1:
-            partials = num_splits * heads_q * total_q
-            workspace = torch.empty(partials * (head_dim + 1), dtype=torch.float32, device=device)
-            partial_o = workspace.data_ptr()
-            partial_lse = partial_o + partials * head_dim * 4
-        counter = torch.empty(1, dtype=torch.int32, device=device) if self.persistent else None  # zeroed in C
+            out = torch.empty((total_q, heads_q, self.head_dim), dtype=q.dtype, device=q.device)
+        lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=q.device) if want_lse else None
+        sizes = self._scratch_sizes(q, k, cu_seq_q, num_m_blocks, num_splits, build_mask_map)
+        scratch = _Scratch(sizes, q.device)
+        self.call(self._params.pack(*self._fields(
+            q, k, v, out, lse, scratch, cu_seq_q, cu_seq_k, seqused_k, block_table, bad_page, pack, num_m_blocks,
+            num_splits, split_min_tiles, window_left, window_right, scale_log2, softcap, captures)))
+        return out, lse
+
+    def keep(self, q, k, v, cu_seq_q, cu_seq_k, seqused_k, pack, num_m_blocks, num_splits, split_min_tiles,
+             window_left, window_right, scale_log2, softcap, build_mask_map, captures, out_shape) -> "KeptLaunch":
+        """run()'s launch (no block table, no lse, a new output of `out_shape`: (..., H_q, D)
+        contiguous over q's T_q rows), packed once for calls on tensors of the same layout."""
+        total_q, heads_q = q.shape[0], q.shape[1]
+        if math.prod(out_shape[:-2]) != total_q or tuple(out_shape[-2:]) != (heads_q, self.head_dim):
+            raise ValueError(f"out_shape {tuple(out_shape)} is not ({total_q} rows, {heads_q}, {self.head_dim})")
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+        sizes = self._scratch_sizes(q, k, cu_seq_q, num_m_blocks, num_splits, build_mask_map)
+        params = self._params.pack(*self._fields(
+            q, k, v, out.view(total_q, heads_q, self.head_dim), None, _Scratch(sizes, q.device), cu_seq_q, cu_seq_k,
+            seqused_k, None, None, pack, num_m_blocks, num_splits, split_min_tiles, window_left, window_right,
+            scale_log2, softcap, captures))
+        return KeptLaunch(self, params, tuple(out_shape), q.dtype, q.device, sizes, len(captures))
+
+    def _scratch_sizes(self, q, k, cu_seq_q, num_m_blocks, num_splits, build_mask_map) -> tuple:
+        """(float32 elements of the split partials, int32 elements of the mask map, mask map heads,
+        whether the persistent grid's work counter is needed): what a launch allocates besides out."""
+        partials = num_splits * q.shape[1] * q.shape[0] if num_splits > 1 else 0
+        map_heads = map_elements = 0
+        if build_mask_map:
+            map_heads = k.shape[-2] if self.mask_map_per_head else 1
+            map_elements = (cu_seq_q.shape[0] - 1) * num_m_blocks * map_heads * 4
+        return partials, self.head_dim, map_elements, map_heads, self.persistent
+
+    def _fields(self, q, k, v, out, lse, scratch, cu_seq_q, cu_seq_k, seqused_k, block_table, bad_page, pack,
+                num_m_blocks, num_splits, split_min_tiles, window_left, window_right, scale_log2, softcap,
+                captures) -> list:
+        """VarlenParams' fields in VARLEN_PARAMS order, then the captures'."""
         num_seqs = cu_seq_q.shape[0] - 1
         num_heads_kv = k.shape[-2]
-        mask_map = map_heads = None
-        if build_mask_map:
-            map_heads = num_heads_kv if self.mask_map_per_head else 1
-            mask_map = torch.empty(num_seqs * num_m_blocks * map_heads * 4, dtype=torch.int32, device=device)
         if self.paged:  # a page pool: (pages, page_size, H_kv, D)
             k_strides, v_strides = k.stride()[:3], v.stride()[:3]
             page_size = k.shape[1]
@@ -96,18 +120,74 @@ class VarlenKernel(CEntryKernel):
             scale_log2 = softcap * LOG2E
         else:
             cap_scale = 0.0
-        fields = capture_fields(captures) if captures else ()
         q_strides, out_strides = q.stride(), out.stride()
-        params = self._params.pack(
+        return [
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
-            partial_o, partial_lse, cu_seq_q.data_ptr(), 0 if cu_seq_k is None else cu_seq_k.data_ptr(),
+            scratch.partial_o, scratch.partial_lse, cu_seq_q.data_ptr(), 0 if cu_seq_k is None else cu_seq_k.data_ptr(),
             0 if seqused_k is None else seqused_k.data_ptr(), 0 if block_table is None else block_table.data_ptr(),
-            0 if bad_page is None else bad_page.data_ptr(), 0 if counter is None else counter.data_ptr(),
-            0 if mask_map is None else mask_map.data_ptr(), map_heads or 0,
+            0 if bad_page is None else bad_page.data_ptr(), scratch.counter, scratch.mask_map, scratch.map_heads,
             q_strides[0], q_strides[1], out_strides[0], out_strides[1], *k_strides, *v_strides,
             0 if block_table is None else block_table.stride(0),
-            num_seqs, heads_q, num_heads_kv, total_q, k.shape[0], pack, num_m_blocks, num_splits, split_min_tiles,
+            num_seqs, q.shape[1], num_heads_kv, q.shape[0], k.shape[0], pack, num_m_blocks, num_splits, split_min_tiles,
             window_left, window_right, page_shift, page_mask, scale_log2, cap_scale, scale,
-            q.get_device(), *fields)
-        self.call(params)
-        return out, lse
+            q.get_device(), *(capture_fields(captures) if captures else ())]
+
+
+class _Scratch:
+    """What a launch allocates besides its outputs (sizes from VarlenKernel._scratch_sizes), as the
+    pointers the params take (0 where not needed); the tensors live until the launch is queued."""
+
+    __slots__ = ("tensors", "partial_o", "partial_lse", "counter", "mask_map", "map_heads")
+
+    def __init__(self, sizes: tuple, device: torch.device):
+        partials, head_dim, map_elements, self.map_heads, counter = sizes
+        self.tensors = []
+        self.partial_o = self.partial_lse = self.counter = self.mask_map = 0
+        if partials:
+            workspace = torch.empty(partials * (head_dim + 1), dtype=torch.float32, device=device)
+            self.tensors.append(workspace)
+            self.partial_o = workspace.data_ptr()
+            self.partial_lse = self.partial_o + partials * head_dim * 4
+        if counter:  # zeroed in C, on the launch's stream
+            self.tensors.append(torch.empty(1, dtype=torch.int32, device=device))
+            self.counter = self.tensors[-1].data_ptr()
+        if map_elements:
+            self.tensors.append(torch.empty(map_elements, dtype=torch.int32, device=device))
+            self.mask_map = self.tensors[-1].data_ptr()
+
+
+# The params' pointer fields, first in VarlenParams: q, k, v, out, lse, partial_o, partial_lse,
+# cu_seq_q, cu_seq_k, seqused_k, block_table, bad_page, work_counter, mask_map.
+_POINTERS = struct.Struct("@14P")
+
+
+class KeptLaunch:
+    """One VarlenKernel launch packed once (VarlenKernel.keep) and run again on tensors of the same
+    layout: shapes, strides, dtypes and device, which the caller vouches for (the transformers
+    integration keys its warm calls by them). A call allocates what run() allocates and writes the
+    pointers and the captures' fields into a copy of the params; every other field is the first
+    call's. Its whole host cost is a few allocations and one pack (notes/transformers-host.md)."""
+
+    __slots__ = ("kernel", "params", "out_shape", "dtype", "device", "sizes", "num_captures", "capture_offset")
+
+    def __init__(self, kernel: VarlenKernel, params: bytes, out_shape: tuple, dtype, device, sizes: tuple,
+                 num_captures: int):
+        self.kernel, self.params, self.out_shape, self.dtype, self.device = kernel, params, out_shape, dtype, device
+        self.sizes, self.num_captures = sizes, num_captures
+        self.capture_offset = struct.calcsize(VARLEN_PARAMS + "0P")  # the first capture, pointer-aligned
+
+    def run(self, q, k, v, cu_seq_q, cu_seq_k, seqused_k, captures=()) -> torch.Tensor:
+        """The output (out_shape) of the kept launch on these tensors (q, k, v of the kept layout)."""
+        if len(captures) != self.num_captures:
+            raise ValueError(f"this launch takes {self.num_captures} captured tensors, got {len(captures)}")
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        scratch = _Scratch(self.sizes, self.device)
+        params = bytearray(self.params)
+        _POINTERS.pack_into(params, 0, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0, scratch.partial_o,
+                            scratch.partial_lse, cu_seq_q.data_ptr(), 0 if cu_seq_k is None else cu_seq_k.data_ptr(),
+                            0 if seqused_k is None else seqused_k.data_ptr(), 0, 0, scratch.counter, scratch.mask_map)
+        if captures:  # their fields whole: a capture's strides may differ from the first call's
+            fields = capture_fields(captures)
+            struct.pack_into("@" + CAPTURE * len(captures), params, self.capture_offset, *fields)
+        self.kernel.call(bytes(params))
+        return out
