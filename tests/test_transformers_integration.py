@@ -661,6 +661,24 @@ def test_every_padding_mask_matches_sdpa_with_no_host_read(calls, host_reads_rai
                 assert (out[~inside] == 0).all(), said
 
 
+def test_dense_starts_match_their_formula_across_length_tables_and_cache_layouts():
+    """jt._dense_starts (a dense batch's metadata): cu_q = b x L_q, cu_k = b x rows but the last,
+    (B - 1) x rows + L_k, seqused_k = L_k; for slots of c x L_k rows (a DynamicCache's (B, H, L, D)
+    at any H) from tables of jt.LENGTHS lengths, crossed here; a static cache's longer slots not."""
+    for batch in (1, 3):
+        for per_key in (1, 2, 4):
+            for len_k in (1, 62, 63, 64, 65, 127, 128, 300):
+                for rows in (per_key * len_k, per_key * len_k + 5):
+                    cu_q, cu_k, used = jt._dense_starts(batch, 1, len_k, rows, torch.device("cpu"))
+                    assert cu_q.tolist() == list(range(batch + 1))
+                    assert cu_k.tolist() == [b * rows for b in range(batch)] + [(batch - 1) * rows + len_k]
+                    assert used.tolist() == [len_k] * batch
+                    for t in (cu_q, cu_k, used):
+                        assert t.dtype == torch.int32 and t.is_contiguous()
+    cu_q, _, _ = jt._dense_starts(2, 5, 7, 7, torch.device("cpu"))
+    assert cu_q.tolist() == [0, 5, 10]
+
+
 def test_runs_finds_each_rows_first_token_span_and_count():
     """jt._runs against a loop over random masks of every kind and width (a slice of the columns)."""
     g = torch.Generator().manual_seed(11)

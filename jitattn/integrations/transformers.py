@@ -413,15 +413,42 @@ def _per_shape(key: tuple, device: torch.device, make):
 def _dense_starts(batch: int, len_q: int, len_k: int, rows: int, device: torch.device):
     """(cu_q, cu_k, seqused_k) of B dense rows whose keys are slots of `rows` rows (the last slot
     ends with the tensor)."""
+    if len_k > 0 and rows % len_k == 0:  # slots of c x L_k rows (a DynamicCache's (B, H, L, D): c = H)
+        base = len_k - len_k % LENGTHS
+        cu_q, cu_k, used = _per_shape(("dense lengths", batch, len_q, rows // len_k, base, device), device,
+                                      lambda: _length_starts(batch, len_q, rows // len_k, base, device))
+        return cu_q, cu_k[len_k - base], used[len_k - base]
+
     def make():
-        cu_q = torch.arange(0, (batch + 1) * len_q, len_q, dtype=torch.int32, device=device) if len_q \
-            else torch.zeros(batch + 1, dtype=torch.int32, device=device)
         cu_k = torch.arange(0, batch * rows + 1, rows, dtype=torch.int32, device=device) if rows \
             else torch.zeros(batch + 1, dtype=torch.int32, device=device)
         cu_k[-1] = (batch - 1) * rows + len_k
-        return cu_q, cu_k, torch.full((batch,), len_k, dtype=torch.int32, device=device)
+        return _query_starts(batch, len_q, device), cu_k, torch.full((batch,), len_k, dtype=torch.int32, device=device)
 
     return _per_shape(("dense", batch, len_q, len_k, rows, device), device, make)
+
+
+# Key lengths per table of `_length_starts`: a decode step's cache is one key longer, and each of
+# its starts was a new small tensor (four launches a step); a table serves LENGTHS steps.
+LENGTHS = 64
+
+
+def _length_starts(batch: int, len_q: int, per_key: int, base: int, device: torch.device):
+    """`_dense_starts` of the key lengths L = base .. base + LENGTHS - 1 with rows = per_key x L:
+    cu_q, then per length cu_k (b x rows, the last L past the last slot's start) and seqused_k,
+    each a contiguous row of one table."""
+    i32 = dict(dtype=torch.int32, device=device)
+    lengths = torch.arange(base, base + LENGTHS, **i32)[:, None]
+    slots = torch.arange(batch + 1, **i32) * per_key
+    slots[-1] = (batch - 1) * per_key + 1
+    cu_k = lengths * slots
+    used = lengths.expand(LENGTHS, batch).contiguous()
+    return _query_starts(batch, len_q, device), cu_k.unbind(0), used.unbind(0)
+
+
+def _query_starts(batch: int, len_q: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(0, (batch + 1) * len_q, len_q, dtype=torch.int32, device=device) if len_q \
+        else torch.zeros(batch + 1, dtype=torch.int32, device=device)
 
 
 class _Shapes(NamedTuple):
