@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from jitattn.varlen.launch import CAPTURE, VARLEN_PARAMS, VarlenKernel, params_struct
+from jitattn.varlen.launch import CAPTURE, CAPTURES_AT, VarlenKernel, params_struct
 from jitattn.varlen.spec import VarlenSpec
 from tests.conftest import require_host_cxx
 
@@ -144,5 +144,4 @@ def test_the_capture_offset_is_where_params_struct_puts_the_first_capture():
     one = params_struct(1)
     fields = [0] * 14 + [0] * 12 + [0] * 13 + [0.0] * 3 + [0] + [7, 1, 2, 3, 4, 5, 6, 7, 8]
     packed = one.pack(*fields)
-    offset = struct.calcsize(VARLEN_PARAMS + "0P")
-    assert struct.unpack_from("@" + CAPTURE, packed, offset) == (7, 1, 2, 3, 4, 5, 6, 7, 8)
+    assert struct.unpack_from("@" + CAPTURE, packed, CAPTURES_AT) == (7, 1, 2, 3, 4, 5, 6, 7, 8)

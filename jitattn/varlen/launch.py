@@ -159,6 +159,7 @@ class _Scratch:
 # The params' pointer fields, first in VarlenParams: q, k, v, out, lse, partial_o, partial_lse,
 # cu_seq_q, cu_seq_k, seqused_k, block_table, bad_page, work_counter, mask_map.
 _POINTERS = struct.Struct("@14P")
+CAPTURES_AT = struct.calcsize(VARLEN_PARAMS + "0P")  # the first Capture's offset (pointer-aligned)
 
 
 class KeptLaunch:
@@ -168,13 +169,12 @@ class KeptLaunch:
     pointers and the captures' fields into a copy of the params; every other field is the first
     call's. Its whole host cost is a few allocations and one pack (notes/transformers-host.md)."""
 
-    __slots__ = ("kernel", "params", "out_shape", "dtype", "device", "sizes", "num_captures", "capture_offset")
+    __slots__ = ("kernel", "params", "out_shape", "dtype", "device", "sizes", "num_captures")
 
     def __init__(self, kernel: VarlenKernel, params: bytes, out_shape: tuple, dtype, device, sizes: tuple,
                  num_captures: int):
         self.kernel, self.params, self.out_shape, self.dtype, self.device = kernel, params, out_shape, dtype, device
         self.sizes, self.num_captures = sizes, num_captures
-        self.capture_offset = struct.calcsize(VARLEN_PARAMS + "0P")  # the first capture, pointer-aligned
 
     def run(self, q, k, v, cu_seq_q, cu_seq_k, seqused_k, captures=()) -> torch.Tensor:
         """The output (out_shape) of the kept launch on these tensors (q, k, v of the kept layout)."""
@@ -188,6 +188,6 @@ class KeptLaunch:
                             0 if seqused_k is None else seqused_k.data_ptr(), 0, 0, scratch.counter, scratch.mask_map)
         if captures:  # their fields whole: a capture's strides may differ from the first call's
             fields = capture_fields(captures)
-            struct.pack_into("@" + CAPTURE * len(captures), params, self.capture_offset, *fields)
+            struct.pack_into("@" + CAPTURE * len(captures), params, CAPTURES_AT, *fields)
         self.kernel.call(bytes(params))
         return out
