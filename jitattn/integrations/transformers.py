@@ -231,20 +231,18 @@ class _WarmCall(NamedTuple):
             plan = _plan_of(mask, query.device, self.plan_key)
             cu_q, cu_k, used, mask_mod = plan.cu_q, plan.cu_k, plan.used, plan.mask_mod
         kept = self.kept[0]
-        if kept:
+        if kept is None:  # the first warm run packs the launch (False where a kept launch does not apply)
+            kept = self.kept[0] = varlen_forward().keep_launch(self.launch, *self._views(query, key, value), cu_q,
+                                                               cu_k, used, mask_mod, self.out_shape) or False
+        if kept:  # its views start where the tensors do: the pointers are the tensors'
             return kept.run(query, key, value, cu_q, cu_k, used,
                             mask_mod.tensors if mask_mod is not None and self.launch.mask_captures else ())
-        (q_size, q_stride), (k_size, k_stride), (v_size, v_stride) = self.views
-        q, k, v = query.as_strided(q_size, q_stride), key.as_strided(k_size, k_stride), value.as_strided(v_size, v_stride)
-        forward = varlen_forward()
-        if kept is None:  # the first warm run packs the launch; its views start where the tensors do
-            kept = forward.keep_launch(self.launch, q, k, v, cu_q, cu_k, used, mask_mod, self.out_shape)
-            self.kept[0] = kept if kept is not None else False
-            if kept is not None:
-                return kept.run(query, key, value, cu_q, cu_k, used,
-                                mask_mod.tensors if mask_mod is not None and self.launch.mask_captures else ())
-        out, _ = forward.run_remembered(self.launch, q, k, v, cu_q, cu_k, used, None, None, None, mask_mod)
+        out, _ = varlen_forward().run_remembered(self.launch, *self._views(query, key, value), cu_q, cu_k, used, None,
+                                                 None, None, mask_mod)
         return out.view(self.out_shape)
+
+    def _views(self, query, key, value) -> tuple:
+        return tuple(t.as_strided(size, stride) for t, (size, stride) in zip((query, key, value), self.views))
 
 
 def _family(signature: tuple) -> tuple:
