@@ -87,9 +87,9 @@ def plan(call: VarlenCall) -> Launch:
                                                        env.lower_mask_windows())
     variants = (score_mod.key_text if score_mod else "", mask_mod.key_text if mask_mod else "")
     short_rows = max_q * group <= SHORT_ROWS
+    short = short_rows and call.max_k <= SHORT_KEYS
     facts = (args.head_dim, query.dtype, args.paged, args.softcap > 0, max_q * group <= DECODE_ROWS,
-             args.num_splits == 1, hopper, hopper and env.wgmma_enabled(), short_rows and call.max_k <= SHORT_KEYS,
-             overrides.state(), variants)
+             args.num_splits == 1, hopper, hopper and env.wgmma_enabled(), short, overrides.state(), variants)
     entry = _kernels.get(facts)
     if entry is None:
         spec = VarlenSpec.for_call(facts[0], check.DTYPE_NAMES[query.dtype], *facts[2:9], score_mod=variants[0],
@@ -99,7 +99,7 @@ def plan(call: VarlenCall) -> Launch:
     map_layout = (kernel.mask_map, kernel.mask_map_per_head)  # read from the spec once, by the kernel
     m_blocks = -(-max_q * group // block_m)
     rule = KeyRule(tile_n, m_blocks * args.num_seqs * args.num_heads_kv, kernel.capacity(args.device),
-                   args.num_splits is None, short_rows, facts[8], map_layout, args.num_seqs * m_blocks, args.num_heads_kv)
+                   args.num_splits is None, short_rows, short, map_layout, args.num_seqs * m_blocks, args.num_heads_kv)
     splits, min_tiles = _splits(rule, args.num_splits, call.max_k)
     # The output takes the query's layout, as torch's does (`torch.empty_like(query)`, also in
     # the fake kernel). A query with those strides gets them from the binding's allocation.

@@ -71,8 +71,8 @@ class VarlenKernel(CEntryKernel):
         sizes = self._scratch_sizes(q, k, cu_seq_q, num_m_blocks, num_splits, build_mask_map)
         scratch = _Scratch(sizes, q.device)
         self.call(self._params.pack(*self._fields(
-            q, k, v, out, lse, scratch, cu_seq_q, cu_seq_k, seqused_k, block_table, bad_page, pack, num_m_blocks,
-            num_splits, split_min_tiles, window_left, window_right, scale_log2, softcap, captures)))
+            q, k, v, out.data_ptr(), out.stride(), lse, scratch, cu_seq_q, cu_seq_k, seqused_k, block_table, bad_page,
+            pack, num_m_blocks, num_splits, split_min_tiles, window_left, window_right, scale_log2, softcap, captures)))
         return out, lse
 
     def keep(self, q, k, v, cu_seq_q, cu_seq_k, seqused_k, pack, num_m_blocks, num_splits, split_min_tiles,
@@ -82,17 +82,19 @@ class VarlenKernel(CEntryKernel):
         total_q, heads_q = q.shape[0], q.shape[1]
         if math.prod(out_shape[:-2]) != total_q or tuple(out_shape[-2:]) != (heads_q, self.head_dim):
             raise ValueError(f"out_shape {tuple(out_shape)} is not ({total_q} rows, {heads_q}, {self.head_dim})")
-        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
         sizes = self._scratch_sizes(q, k, cu_seq_q, num_m_blocks, num_splits, build_mask_map)
+        # Packed with null pointers where each call allocates (KeptLaunch.run writes them): the
+        # output contiguous, (token, head) strides (H_q x D, D).
         params = self._params.pack(*self._fields(
-            q, k, v, out.view(total_q, heads_q, self.head_dim), None, _Scratch(sizes, q.device), cu_seq_q, cu_seq_k,
-            seqused_k, None, None, pack, num_m_blocks, num_splits, split_min_tiles, window_left, window_right,
-            scale_log2, softcap, captures))
+            q, k, v, 0, (heads_q * self.head_dim, self.head_dim), None, _Scratch.unallocated(sizes), cu_seq_q,
+            cu_seq_k, seqused_k, None, None, pack, num_m_blocks, num_splits, split_min_tiles, window_left,
+            window_right, scale_log2, softcap, captures))
         return KeptLaunch(self, params, tuple(out_shape), q.dtype, q.device, sizes, len(captures))
 
     def _scratch_sizes(self, q, k, cu_seq_q, num_m_blocks, num_splits, build_mask_map) -> tuple:
-        """(float32 elements of the split partials, int32 elements of the mask map, mask map heads,
-        whether the persistent grid's work counter is needed): what a launch allocates besides out."""
+        """What a launch allocates besides out (`_Scratch`): (float32 elements of the split partials,
+        head_dim, int32 elements of the mask map, mask map heads, whether the persistent grid's work
+        counter is needed)."""
         partials = num_splits * q.shape[1] * q.shape[0] if num_splits > 1 else 0
         map_heads = map_elements = 0
         if build_mask_map:
@@ -100,10 +102,11 @@ class VarlenKernel(CEntryKernel):
             map_elements = (cu_seq_q.shape[0] - 1) * num_m_blocks * map_heads * 4
         return partials, self.head_dim, map_elements, map_heads, self.persistent
 
-    def _fields(self, q, k, v, out, lse, scratch, cu_seq_q, cu_seq_k, seqused_k, block_table, bad_page, pack,
-                num_m_blocks, num_splits, split_min_tiles, window_left, window_right, scale_log2, softcap,
-                captures) -> list:
-        """VarlenParams' fields in VARLEN_PARAMS order, then the captures'."""
+    def _fields(self, q, k, v, out_ptr, out_strides, lse, scratch, cu_seq_q, cu_seq_k, seqused_k, block_table,
+                bad_page, pack, num_m_blocks, num_splits, split_min_tiles, window_left, window_right, scale_log2,
+                softcap, captures) -> list:
+        """VarlenParams' fields in VARLEN_PARAMS order, then the captures' (the output as its pointer
+        and its (token, head) strides)."""
         num_seqs = cu_seq_q.shape[0] - 1
         num_heads_kv = k.shape[-2]
         if self.paged:  # a page pool: (pages, page_size, H_kv, D)
@@ -120,9 +123,9 @@ class VarlenKernel(CEntryKernel):
             scale_log2 = softcap * LOG2E
         else:
             cap_scale = 0.0
-        q_strides, out_strides = q.stride(), out.stride()
+        q_strides = q.stride()
         return [
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), out_ptr, 0 if lse is None else lse.data_ptr(),
             scratch.partial_o, scratch.partial_lse, cu_seq_q.data_ptr(), 0 if cu_seq_k is None else cu_seq_k.data_ptr(),
             0 if seqused_k is None else seqused_k.data_ptr(), 0 if block_table is None else block_table.data_ptr(),
             0 if bad_page is None else bad_page.data_ptr(), scratch.counter, scratch.mask_map, scratch.map_heads,
@@ -139,10 +142,12 @@ class _Scratch:
 
     __slots__ = ("tensors", "partial_o", "partial_lse", "counter", "mask_map", "map_heads")
 
-    def __init__(self, sizes: tuple, device: torch.device):
+    def __init__(self, sizes: tuple, device: torch.device | None):
         partials, head_dim, map_elements, self.map_heads, counter = sizes
         self.tensors = []
         self.partial_o = self.partial_lse = self.counter = self.mask_map = 0
+        if device is None:  # unallocated: null pointers
+            return
         if partials:
             workspace = torch.empty(partials * (head_dim + 1), dtype=torch.float32, device=device)
             self.tensors.append(workspace)
@@ -154,6 +159,11 @@ class _Scratch:
         if map_elements:
             self.tensors.append(torch.empty(map_elements, dtype=torch.int32, device=device))
             self.mask_map = self.tensors[-1].data_ptr()
+
+    @classmethod
+    def unallocated(cls, sizes: tuple) -> "_Scratch":
+        """The pointers of nothing allocated (a KeptLaunch's packed template)."""
+        return cls(sizes, None)
 
 
 # The params' pointer fields, first in VarlenParams: q, k, v, out, lse, partial_o, partial_lse,
