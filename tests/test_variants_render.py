@@ -16,6 +16,7 @@ import torch
 from jitattn.variants import (Variant, derivative, reference_mask, reference_score, render_mask_mod, render_score_mod,
                               trace_mask_mod, trace_score_mod)
 from jitattn.variants import gallery, interval, render
+from jitattn.variants.tree import Shared
 from tests.conftest import require_nvcc
 from tests.test_variants_trace import N_HEADS, N_SEQ, N_TOKENS, acceptance_set, grid
 
@@ -303,6 +304,7 @@ MaskMod ScoreMod DATA_DEPENDENT USES_HEAD pack visible TileClass classify kv_hea
 may_true may_false lo hi long INFINITY IInt IBool IFloat The user s score_mod mask_mod rendered by jitattn variants
 render py from the tree returns f scale dscore per element tile interval analysis sound e fmaf
 classify_warp also reads captures over index ranges by the whole warp mask map i0 i1 i2 i3 iv_read iv_bool_of
+Preloaded preload pre
 """.split()) | {f"load_{d}" for d in ("float32", "float16", "bfloat16", "int32", "int64", "bool")} | \
     set(render.INT_FUNCTIONS.values()) | set(render.FLOAT_FUNCTIONS.values()) | {"fminimum", "fmaximum"} | \
     {f"iv_{op}" for op in ("exact", "full", "is_exact", "bool", "unknown", "add", "sub", "mul", "neg", "abs", "min",
@@ -322,7 +324,7 @@ def test_rendered_code_uses_only_jitattns_own_words_on_random_trees():
             assert f"// {v.digest}: " in source and len(comments) == (3 if kind == "mask_mod" else 2)
             code = "\n".join(line for line in source.splitlines() if not line.startswith("//"))
             words = set(re.findall(r"[A-Za-z_]\w*", code))
-            stray = {w for w in words - ALLOWED_WORDS if not re.fullmatch(r"[tdva]\d+|f|e\d*", w)}
+            stray = {w for w in words - ALLOWED_WORDS if not re.fullmatch(r"[tdvar]\d+|f|e\d*", w)}
             assert not stray, (stray, v.key_text)
 
 
@@ -383,7 +385,8 @@ def test_every_rendered_variant_compiles_for_sm90a(tmp_path):
                          f"out[{i}] = x + m.dscore(s, x, b, h, q, kv); }}")
         else:
             calls.append(f"{{ const v{i}::MaskMod m(p); out[{i}] = m.visible(b, h, q, kv) + "
-                         f"int(m.classify(b, h, q, q + 63, kv, kv + 63)); }}")
+                         f"int(m.classify(b, h, q, q + 63, kv, kv + 63)) + "
+                         f"int(m.classify(m.preload(b), b, h, q, q + 63, kv, kv + 63)); }}")
     body = "".join(f"namespace v{i} {{\n{source}}}\n" for i, source in enumerate(sources))
     kernel = ("__global__ void probe(const Params p, float* out, float s, int b, int h, int q, int kv) {\n"
               + "\n".join(calls) + "\n}\n")
@@ -415,6 +418,12 @@ def test_a_host_build_of_the_rendered_code_agrees_with_the_mirror_and_the_refere
     variants, sources = all_rendered("__host__ __device__ __forceinline__")
     table = torch.randint(-6, 30, (N_HEADS, N_TOKENS), dtype=torch.int32)
     randoms = [Variant("mask_mod", random_mask_tree(rng), (("int32", 2),), (table,)) for _ in range(40)]
+    # the transformers padding mask's shape: a per-sequence flag (bool), then a per-row start
+    whole = torch.rand(N_SEQ) < 0.5
+    first = torch.randint(0, 4, (N_SEQ,), dtype=torch.int32)
+    keys = torch.rand(N_SEQ, N_TOKENS + 4) < 0.7
+    randoms += [trace_mask_mod(lambda b, h, q_idx, kv_idx: whole[b] | keys[b // 2, first[b] + kv_idx]),
+                trace_mask_mod(lambda b, h, q_idx, kv_idx: ~whole[b // 2] & (q_idx >= kv_idx))]
     variants += randoms
     sources += [render_mask_mod(v, "__host__ __device__ __forceinline__") for v in randoms]
     parts, setup = [PRELUDE, "#include <cstdio>\n"], []
@@ -441,9 +450,10 @@ def test_a_host_build_of_the_rendered_code_agrees_with_the_mirror_and_the_refere
                          f" const float bwd = affine ? {split.replace('ORIGIN', '(kv & ~127)')} : y;"
                          f" printf(\"%.9g %.9g %.9g %.9g\\n\", y, m.dscore(s, y, b, h, q, kv), fwd, bwd); break; }}")
         else:
-            cases.append(f"    case {i}: {{ const v{i}::MaskMod m(params[{i}]); printf(\"%d %d %d\\n\", "
+            cases.append(f"    case {i}: {{ const v{i}::MaskMod m(params[{i}]); printf(\"%d %d %d %d\\n\", "
                          f"int(m.visible(b, h, q, kv)), int(m.classify(b, kvh, qlo, qhi, kvlo, kvhi)), "
-                         f"int(m.classify_warp(b, kvh, qlo, qhi, kvlo, kvhi))); break; }}")
+                         f"int(m.classify_warp(b, kvh, qlo, qhi, kvlo, kvhi)), "
+                         f"int(m.classify(m.preload(b), b, kvh, qlo, qhi, kvlo, kvhi))); break; }}")
     parts.append(f"static Params params[{len(variants)}];\nint main() {{\n" + "\n".join(setup) + """
   int i, b, h, q, kv, kvh, pack, qlo, qhi, kvlo, kvhi; float s, scale;
   while (scanf("%d %f %f %d %d %d %d %d %d %d %d %d %d", &i, &s, &scale, &b, &h, &q, &kv, &kvh, &pack, &qlo, &qhi,
@@ -476,7 +486,7 @@ def test_a_host_build_of_the_rendered_code_agrees_with_the_mirror_and_the_refere
     assert ran.returncode == 0, ran.stderr
     lines = ran.stdout.splitlines()
     assert len(lines) == len(queries)
-    affine_checked = 0
+    affine_checked = preloads = 0
     for line, (v, s, scale, b, h, q, kv, box) in zip(lines, expected):
         first, second, *split = line.split()
         if v.kind == "mask_mod":
@@ -484,6 +494,9 @@ def test_a_host_build_of_the_rendered_code_agrees_with_the_mirror_and_the_refere
             for ranges, got in ((False, second), (True, split[0])):  # classify, classify_warp
                 verdict = [interval.EMPTY, interval.PARTIAL, interval.FULL][int(got)]
                 assert verdict == interval.classify(v, *box, ranges=ranges), (v.key_text, box, ranges)
+            # classify(preload(b), ...): the sequence's own reads made ahead, the same verdict
+            assert split[1] == second, (v.key_text, box)
+            preloads += bool(render.sequence_reads(Shared(v.tree, v.captures)))
             continue
         x = torch.tensor(s * scale, dtype=torch.float64)
         want = reference_score(v, x, b, h, q, kv).item()
@@ -504,6 +517,7 @@ def test_a_host_build_of_the_rendered_code_agrees_with_the_mirror_and_the_refere
                 assert abs(float(value) - float(first)) <= 4e-6 * (abs(float(first)) + bias / scale) + 1e-5, \
                     (v.key_text, s, q, kv, first, split)
     assert affine_checked >= 60  # the gallery's relative position and ALiBi at least
+    assert preloads >= 60  # document masks, prefix-LM and random trees read b's own values
 
 
 @pytest.mark.compile

@@ -404,6 +404,41 @@ def mask_map_needs(v: Variant) -> tuple[bool, bool]:
     return (any(node[0] == "load" for node in nodes), any(node == ("arg", "h") for node in nodes))
 
 
+def sequence_reads(shared: Shared) -> list[tuple]:
+    """The capture reads classify() makes whose indices are functions of ``b`` and constants alone
+    (a sequence's flag or offset: the padding mask's whole[b], first[b // 3]); a CTA can load them
+    before it knows anything but its sequence (MaskMod::preload). Float reads are left out:
+    interval analysis does not track floats."""
+    by_sequence: dict[int, bool] = {}
+    reads = []
+    for node in shared.nodes:  # children first
+        of_b = all(by_sequence[shared.number(child)] for child in children(node))
+        if node[0] == "load":
+            if of_b and shared.type(node) != "float":
+                reads.append(node)
+            of_b = False  # an index read from a capture would need the read itself
+        elif node[0] == "arg":
+            of_b = node[1] == "b"
+        by_sequence[shared.number(node)] = of_b
+    return reads
+
+
+def _preload(shared: Shared, qualifiers: str) -> tuple[str, list[tuple]]:
+    """The Preloaded struct and preload(b): each sequence read as a load that goes out where it is
+    written (variant.cuh's load_now), and the reads, in the struct's order."""
+    reads = sequence_reads(shared)
+    emitter = _Emitter(shared, "e")
+    fields = []
+    for n, node in enumerate(reads):
+        indices = "".join(", " + emitter.value(i) for i in node[2:])
+        fields.append((CTYPE[shared.type(node)], f"r{n}",
+                       f"{NS}load_{shared.captures[node[1]][0]}<true>(caps[{node[1]}]{indices})"))
+    struct = "  struct Preloaded {" + "".join(f" {ctype} {name};" for ctype, name, _ in fields) + " };\n"
+    loads = "".join(f"{emitter.indent}const {ctype} {name} = {read};\n" for ctype, name, read in fields)
+    return (struct + f"  {qualifiers} Preloaded preload(int b) const {{\n" + _body(emitter) + loads
+            + "    return {" + ", ".join(name for _, name, _ in fields) + "};\n  }\n"), reads
+
+
 def render_mask_mod(v: Variant, qualifiers: str = "__device__ __forceinline__") -> str:
     """The MaskMod struct for mask_mod ``v``: visible() per element, classify() per tile by the
     interval analysis of interval.py (sound: EMPTY and FULL only where certain)."""
@@ -412,8 +447,12 @@ def render_mask_mod(v: Variant, qualifiers: str = "__device__ __forceinline__") 
     visible = _Emitter(Shared(v.tree, v.captures), "t")
     result = visible.value(v.tree)
 
-    def interval_walk(ranges: bool) -> tuple[_IntervalEmitter, str]:
+    def interval_walk(ranges: bool, preloaded: dict | None = None) -> tuple[_IntervalEmitter, str]:
         tile = _IntervalEmitter(Shared(v.tree, v.captures), "v", ranges)
+        for node, n in (preloaded or {}).items():  # classify(pre, ...): the sequence's reads from preload(b)
+            kind = tile.type(node)
+            tile.defs[tile.key(node)] = (IV_CTYPE[kind], f"{NS}iv_bool(pre.r{n})" if kind == "bool"
+                                         else f"{NS}iv_exact(pre.r{n})")
         tile.defs.update({
             tile.key(("arg", "b")): (IV_CTYPE["int"], f"{NS}iv_exact(b)"),
             tile.key(("arg", "h")): (IV_CTYPE["int"], f"{NS}IInt{{(long long)kv_head * pack, "
@@ -423,7 +462,9 @@ def render_mask_mod(v: Variant, qualifiers: str = "__device__ __forceinline__") 
         })
         return tile, tile.value(v.tree)
 
+    preload, preloaded = _preload(Shared(v.tree, v.captures), qualifiers)
     tile, verdict = interval_walk(False)
+    tile_pre, verdict_pre = interval_walk(False, {node: n for n, node in enumerate(preloaded)})
     caps = "caps(p.captures), " if v.captures else "caps(nullptr), "
     reads, by_head = mask_map_needs(v)
     # classify_warp: only a mask that reads captures has a map (mask_map.cuh) to call it
@@ -431,8 +472,8 @@ def render_mask_mod(v: Variant, qualifiers: str = "__device__ __forceinline__") 
     tile_args = "int b, int kv_head, int q_lo, int q_hi, int kv_lo, int kv_hi"
     return (
         "// The user's mask_mod, rendered by jitattn/variants/render.py from the tree\n"
-        f"// {v.digest}: visible() per element, classify() per tile (interval analysis, sound; classify_warp()\n"
-        "// also reads captures over index ranges, by the whole warp: the mask map's).\n"
+        f"// {v.digest}: visible() per element, classify() per tile (interval analysis, sound; classify(pre, ...)\n"
+        "// takes sequence b's own reads from preload(b); classify_warp() reads captures over index ranges: the map's).\n"
         "struct MaskMod {\n"
         "  static constexpr bool ACTIVE = true;\n"
         f"  static constexpr bool DATA_DEPENDENT = {literal(reads)};\n"
@@ -446,6 +487,11 @@ def render_mask_mod(v: Variant, qualifiers: str = "__device__ __forceinline__") 
         "  }\n"
         f"  {qualifiers} TileClass classify({tile_args}) const {{\n"
         f"{_body(tile)}    return !{verdict}.may_true ? TILE_EMPTY : !{verdict}.may_false ? TILE_FULL : TILE_PARTIAL;\n"
+        "  }\n"
+        f"{preload}"
+        f"  {qualifiers} TileClass classify(const Preloaded& pre, {tile_args}) const {{\n"
+        f"{_body(tile_pre)}    return !{verdict_pre}.may_true ? TILE_EMPTY : !{verdict_pre}.may_false ? TILE_FULL : "
+        "TILE_PARTIAL;\n"
         "  }\n"
         f"  {qualifiers} TileClass classify_warp({tile_args}) const {{\n"
         f"{_body(warp_tile)}    return !{warp_verdict}.may_true ? TILE_EMPTY : !{warp_verdict}.may_false ? TILE_FULL : "

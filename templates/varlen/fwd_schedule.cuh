@@ -32,10 +32,18 @@ __device__ __forceinline__ bool block_extent(const VarlenParams& p, Work& w, int
   const int m_block = w.m0 / BLOCK_M;
   // Every metadata load first, so they share one memory latency: the key side's behind the
   // early return below cost a second one (clock stamps: notes/forward-h200.md).
+  // With a mask hook, whose code follows that return, ptxas sank the key side's end below it, and
+  // the hook's reads of the sequence's own values (whole[b]) came after both: two more latencies
+  // per CTA, a fifth of a padded encoder call of one-tile sentences (notes/transformers-host.md,
+  // tenth session). So there both are volatile loads, which stay where they are written.
+  const MaskMod mask_mod = mask_mod_of(p);
+  const MaskMod::Preloaded own = mask_mod.preload(w.seq);
   w.q_start = p.cu_seq_q[w.seq];
   const int q_end = p.cu_seq_q[w.seq + 1];
   const int used = p.seqused_k ? p.seqused_k[w.seq] : 0;
-  const int k_start = PAGED ? 0 : p.cu_seq_k[w.seq], k_end = PAGED ? 0 : p.cu_seq_k[w.seq + 1];
+  const int k_start = PAGED ? 0 : p.cu_seq_k[w.seq];
+  const int k_end = PAGED ? 0 : MaskMod::ACTIVE ? int(*static_cast<const volatile int*>(p.cu_seq_k + w.seq + 1))
+                                                : int(p.cu_seq_k[w.seq + 1]);
   // Clamp to the tensors, so malformed metadata can never index outside them.
   w.q_len = max(0, min(q_end, p.total_q) - w.q_start);
   w.rows = w.q_len * p.pack;
@@ -78,16 +86,15 @@ __device__ __forceinline__ bool block_extent(const VarlenParams& p, Work& w, int
     // By interval analysis: the mask hook's empty tiles at either end are never loaded, and its
     // first run of full tiles skips the element-wise mask (mask.cuh's bisection: few classify
     // calls, made once per work item: the persistent kernel's producer thread decodes).
-    const MaskMod mask_mod = mask_mod_of(p);
     auto tiles_are = [&](TileClass c) {
       return [&, c](int a, int b) {
-        return mask_mod.classify(w.seq, w.kv_head, r_lo + off, r_hi + off, a * BLOCK_N, b * BLOCK_N - 1) == c;
+        return mask_mod.classify(own, w.seq, w.kv_head, r_lo + off, r_hi + off, a * BLOCK_N, b * BLOCK_N - 1) == c;
       };
     };
     // The whole range first: one call settles a mask that hides or shows all of it (a padded
-    // sentence's few tiles: each call reads a capture, a memory latency).
-    const TileClass all = t_lo < t_hi ? mask_mod.classify(w.seq, w.kv_head, r_lo + off, r_hi + off, t_lo * BLOCK_N,
-                                                          t_hi * BLOCK_N - 1)
+    // sentence's few tiles: each call may read a capture, a memory latency).
+    const TileClass all = t_lo < t_hi ? mask_mod.classify(own, w.seq, w.kv_head, r_lo + off, r_hi + off,
+                                                          t_lo * BLOCK_N, t_hi * BLOCK_N - 1)
                                       : TILE_EMPTY;
     if (all == TILE_EMPTY) t_hi = t_lo;
     if (all != TILE_PARTIAL) {

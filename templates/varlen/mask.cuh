@@ -127,4 +127,8 @@ struct NoMaskMod {
   __device__ __forceinline__ bool visible(int, int, int, int) const { return true; }
   __device__ __forceinline__ TileClass classify(int, int, int, int, int, int) const { return TILE_FULL; }
   __device__ __forceinline__ TileClass classify_warp(int, int, int, int, int, int) const { return TILE_FULL; }
+  // A mask_mod's reads of sequence b's own values, loaded with the CTA's metadata (fwd_schedule.cuh).
+  struct Preloaded {};
+  __device__ __forceinline__ Preloaded preload(int) const { return {}; }
+  __device__ __forceinline__ TileClass classify(Preloaded, int, int, int, int, int, int) const { return TILE_FULL; }
 };

@@ -39,7 +39,9 @@ struct Capture {
 // binding passes as null, a zero) and drops it: every read is one plain load with no branch
 // around it, so the compiler shares equal reads (a relative-position table's along a diagonal),
 // which it does for neither a load behind a branch nor __ldg (notes/variants-h100.md, "capture reads").
-template <class Bits>
+// NOW: a volatile load, which goes out where it is written (MaskMod::preload: a plain one, used only
+// past a CTA's early return, was sunk below it by ptxas, a second memory latency per CTA).
+template <class Bits, bool NOW = false>
 JITATTN_VARIANT_FN Bits bits_at(const Capture& c, int i0, int i1, int i2, int i3) {
   const bool inside = (unsigned(i0) < unsigned(c.size[0])) & (unsigned(i1) < unsigned(c.size[1])) &
                       (unsigned(i2) < unsigned(c.size[2])) & (unsigned(i3) < unsigned(c.size[3]));
@@ -47,33 +49,42 @@ JITATTN_VARIANT_FN Bits bits_at(const Capture& c, int i0, int i1, int i2, int i3
 #ifdef __CUDA_ARCH__
   static const Bits zero = 0;  // in global memory, once per type
   const Bits* base = c.data ? static_cast<const Bits*>(c.data) : &zero;
-  const Bits value = base[inside ? at : 0];
+  const Bits* element = base + (inside ? at : 0);
+  Bits value;
+  if constexpr (NOW) value = *static_cast<const volatile Bits*>(element);
+  else value = *element;
   return inside ? value : Bits(0);
 #else
   return inside ? static_cast<const Bits*>(c.data)[at] : Bits(0);
 #endif
 }
 
+template <bool NOW = false>
 JITATTN_VARIANT_FN float load_float32(const Capture& c, int i0 = 0, int i1 = 0, int i2 = 0, int i3 = 0) {
-  const uint32_t bits = bits_at<uint32_t>(c, i0, i1, i2, i3);
+  const uint32_t bits = bits_at<uint32_t, NOW>(c, i0, i1, i2, i3);
   float value;
   __builtin_memcpy(&value, &bits, 4);
   return value;
 }
+template <bool NOW = false>
 JITATTN_VARIANT_FN float load_float16(const Capture& c, int i0 = 0, int i1 = 0, int i2 = 0, int i3 = 0) {
-  return __half2float(__ushort_as_half(bits_at<unsigned short>(c, i0, i1, i2, i3)));
+  return __half2float(__ushort_as_half(bits_at<unsigned short, NOW>(c, i0, i1, i2, i3)));
 }
+template <bool NOW = false>
 JITATTN_VARIANT_FN float load_bfloat16(const Capture& c, int i0 = 0, int i1 = 0, int i2 = 0, int i3 = 0) {
-  return __bfloat162float(__ushort_as_bfloat16(bits_at<unsigned short>(c, i0, i1, i2, i3)));
+  return __bfloat162float(__ushort_as_bfloat16(bits_at<unsigned short, NOW>(c, i0, i1, i2, i3)));
 }
+template <bool NOW = false>
 JITATTN_VARIANT_FN int load_int32(const Capture& c, int i0 = 0, int i1 = 0, int i2 = 0, int i3 = 0) {
-  return int(bits_at<uint32_t>(c, i0, i1, i2, i3));
+  return int(bits_at<uint32_t, NOW>(c, i0, i1, i2, i3));
 }
+template <bool NOW = false>
 JITATTN_VARIANT_FN int load_int64(const Capture& c, int i0 = 0, int i1 = 0, int i2 = 0, int i3 = 0) {
-  return int(uint32_t(bits_at<uint64_t>(c, i0, i1, i2, i3)));
+  return int(uint32_t(bits_at<uint64_t, NOW>(c, i0, i1, i2, i3)));
 }
+template <bool NOW = false>
 JITATTN_VARIANT_FN bool load_bool(const Capture& c, int i0 = 0, int i1 = 0, int i2 = 0, int i3 = 0) {
-  return bits_at<uint8_t>(c, i0, i1, i2, i3) != 0;
+  return bits_at<uint8_t, NOW>(c, i0, i1, i2, i3) != 0;
 }
 
 // ------------------------------------------------------------------ ints (32-bit, wrapping)
