@@ -513,7 +513,7 @@ def test_every_varlen_variant_renders_completely(head_dim):
                 out = render.render(spec, "ns")
                 for name, text in out.items():
                     assert not JINJA_LEFTOVER.search(text), (spec.name, name, JINJA_LEFTOVER.search(text))
-                    assert spec.name in text
+                    assert spec.name in text or (name == "mask_map.cu" and not text.strip())  # no mask_mod: no unit
                 kernels = out["kernels.cu"]
                 assert f"constexpr int HEAD_DIM = {head_dim};" in kernels and f"using T = {ctype};" in kernels
                 assert f"constexpr bool PAGED = {'true' if paged else 'false'};" in kernels

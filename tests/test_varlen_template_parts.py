@@ -28,7 +28,7 @@ def _render_with(spec, **extra) -> str:
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True, trim_blocks=True,
                              lstrip_blocks=True)
     context = {**spec.params(), "spec_name": spec.name, "op_namespace": "ns", **extra}
-    return env.get_template(spec.sources["kernels.cu"]).render(**context)
+    return env.get_template(spec.sources["kernels.cu"]).render(**context, unit="kernels.cu")
 
 
 def test_forward_and_backward_include_the_same_scheduler_pipeline_mask_score_and_row_map_parts():

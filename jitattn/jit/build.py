@@ -1,8 +1,11 @@
-"""Compile rendered sources into `module.so` inside a staging directory (torch load_inline).
+"""Compile rendered sources into `module.so` inside a staging directory (torch's cpp_extension).
 
-Only the binding sees torch headers (the stable ABI, so one .so serves every torch from the
-target version on); no torch/extension.h, no pybind11. A failure raises JitCompileError with the
-first compiler `error:` line and the path of the full log, which is kept under <root>/logs.
+Each rendered source is its own translation unit, so ninja compiles them side by side (a kernel
+family may split a kernel off into a unit of its own: the varlen mask map); a unit that renders
+empty is not built. Only the binding sees torch headers (the stable ABI, so one .so serves every
+torch from the target version on); no torch/extension.h, no pybind11. A failure raises
+JitCompileError with the first compiler `error:` line and the path of the full log, which is kept
+under <root>/logs.
 """
 from __future__ import annotations
 
@@ -18,8 +21,8 @@ from jitattn.jit.toolchain import Toolchain
 
 _ERROR_LINE = re.compile(r"^.*(?:\(\d+\)|:\d+(?::\d+)?):\s*(?:fatal )?error\b.*$", re.M)
 _ANY_ERROR = re.compile(r"^.*\berror\b.*$", re.M | re.I)
-# load_inline's own copies of the sources and its build files: the entry keeps binding.cpp/kernels.cu.
-_LEFTOVERS = (".o", ".ninja_deps", ".ninja_log", "lock", "main.cpp", "cuda.cu", "build.ninja")
+# cpp_extension's objects and build files: the entry keeps the rendered sources and the library.
+_LEFTOVERS = (".o", ".ninja_deps", ".ninja_log", "lock", "build.ninja")
 
 
 def compile_library(
@@ -34,33 +37,30 @@ def compile_library(
     log_dir: Path,
     verbose: bool = False,
 ) -> float:
-    """Build staging/module.so from `sources` ('binding.cpp', 'kernels.cu'); returns seconds.
+    """Build staging/module.so from `sources` (file name -> text, already written into staging:
+    'binding.cpp', 'kernels.cu', ...), a unit per non-empty source; returns seconds.
 
-    load_inline also loads the library (registering its ops) before we publish it, so a
+    cpp_extension also loads the library (registering its ops) before we publish it, so a
     library that fails to load is never published.
     """
     cpp_extension = _import_cpp_extension()
 
     cpp_extension.CUDA_HOME = str(toolchain.cuda_home)  # torch guesses wrong behind wrapper scripts
-    cpp = [text for name, text in sources.items() if not name.endswith(".cu")]
-    cuda = [text for name, text in sources.items() if name.endswith(".cu")]
+    units = [str(staging / name) for name, text in sources.items() if text.strip()]
     start = time.perf_counter()
     saved_jobs = os.environ.get("MAX_JOBS")
     os.environ["MAX_JOBS"] = str(jobs)
     try:
-        cpp_extension.load_inline(
+        cpp_extension.load(
             name=ext_name,
-            cpp_sources=cpp,
-            cuda_sources=cuda,
+            sources=units,
             build_directory=str(staging),
             extra_cflags=list(keys.CXX_FLAGS),
             extra_cuda_cflags=keys.cuda_flags(archs),
             is_python_module=False,
-            no_implicit_headers=True,
-            with_pytorch_error_handling=False,
             verbose=verbose,
         )
-    except Exception as exc:  # load_inline raises RuntimeError/CalledProcessError/OSError
+    except Exception as exc:  # load raises RuntimeError/CalledProcessError/OSError
         raise _compile_error(exc, staging, spec_name, log_dir) from None
     finally:
         if saved_jobs is None:
@@ -116,16 +116,19 @@ def _first_error(text: str) -> str:
 
 def _point_at_kept_sources(text: str, staging: Path, log_path: Path) -> str:
     """The compiler output with its paths into staging/ turned into those of the kept copies."""
-    for built_name, kept_name in (("cuda.cu", "kernels.cu"), ("main.cpp", "binding.cpp")):
-        text = text.replace(str(staging / built_name), str(log_path.with_suffix(f".{kept_name}")))
+    for source in _rendered_sources(staging):
+        text = text.replace(str(source), str(log_path.with_suffix(f".{source.name}")))
     return text
+
+
+def _rendered_sources(staging: Path) -> list[Path]:
+    return sorted(path for path in staging.iterdir() if path.suffix in (".cu", ".cpp") and path.is_file())
 
 
 def _keep_log(text: str, staging: Path, log_path: Path) -> None:
     """Write the compiler output to <root>/logs/<spec>-<time>-<pid>.log with the generated
     sources beside it."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    for source in staging.glob("*.c*"):  # the rendered sources (kernels.cu, binding.cpp), not load_inline's copies
-        if source.name not in ("main.cpp", "cuda.cu"):
-            shutil.copy(source, log_path.with_suffix(f".{source.name}"))
+    for source in _rendered_sources(staging):
+        shutil.copy(source, log_path.with_suffix(f".{source.name}"))
     log_path.write_text(text)

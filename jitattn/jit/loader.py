@@ -218,7 +218,7 @@ def _compile(spec, want: tiers.Wanted, staging: Path, root: Path, reason: str, f
     from jitattn.jit.render import render
 
     namespace = op_namespace(spec, want.key)
-    sources = render(spec, namespace)
+    sources = {name: text for name, text in render(spec, namespace).items() if text.strip()}  # empty: no unit
     for name, text in sources.items():
         (staging / name).write_text(text)
     log.info("compiling %s (%s) for %s into %s", spec.name, reason, ",".join(want.target.archs), final)

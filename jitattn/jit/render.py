@@ -72,7 +72,8 @@ def _environment(root: Path):
 
 
 def render(spec: KernelSpec, op_namespace: str, root: Path | None = None) -> dict[str, str]:
-    """Render each of the spec's sources: output file name -> text."""
+    """Render each of the spec's sources: output file name -> text. A template may give several
+    outputs (translation units: `unit` is the output's name); one that renders empty is not built."""
     env = _environment(root or templates_dir())
     context = {**spec.params(), "spec_name": spec.name, "op_namespace": op_namespace}
-    return {out: env.get_template(tpl).render(**context) for out, tpl in spec.sources.items()}
+    return {out: env.get_template(tpl).render(**context, unit=out) for out, tpl in spec.sources.items()}

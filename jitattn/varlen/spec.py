@@ -181,6 +181,8 @@ class VarlenSpec(KernelSpec):
     sources: ClassVar[dict[str, str]] = {
         "binding.cpp": "varlen/binding.cpp.j2",
         "kernels.cu": "varlen/kernels.cu.j2",
+        # a mask_mod's map kernel, a unit of its own that compiles beside kernels.cu (empty without one)
+        "mask_map.cu": "varlen/kernels.cu.j2",
     }
 
     head_dim: int

@@ -132,7 +132,7 @@ __device__ __forceinline__ bool decode_work(const VarlenParams& p, Work& w, unsi
   w.tile_end = min(t_hi, w.tile_begin + per_split);
   return true;
 }
-{% if mask_map %}
+{% if mask_map and unit == "mask_map.cu" %}
 
 // The forward's mask map (mask_map.cuh): one CTA per (row block, sequence, KV head or 1), over the
 // key tiles block_extent gives the block, before varlen_fwd (stream order).
