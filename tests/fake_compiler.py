@@ -63,7 +63,7 @@ def compile_library(staging: Path, sources: dict, *, spec_name: str, ext_name: s
     subprocess.run([shutil.which("cc") or "gcc", "-shared", "-fPIC", "-o", str(staging / "module.so"), str(source)],
                    check=True, capture_output=True)
     source.unlink()
-    ctypes.CDLL(str(staging / "module.so"))  # as load_inline loads what it built
+    ctypes.CDLL(str(staging / "module.so"))  # as cpp_extension.load loads what it built
     return time.perf_counter() - start
 
 

@@ -37,7 +37,7 @@ SPEC = DecodeSpec(head_dim=64)
 SPEC_VARIANTS = [SPEC, *(DecodeSpec(head_dim=64, dtype_q=dt, dtype_kv=dt, soft_cap=cap, group_tile=g)
                          for g in (1, 2, 4, 8) for dt in ("float16", "bfloat16") for cap in (False, True))]
 ENTRY_FILES = {"module.so", "binding.cpp", "kernels.cu", "manifest.json"}
-# What load_inline leaves in its build directory; none of it may reach a published entry.
+# What cpp_extension.load leaves in its build directory (and load_inline's copies); none of it may reach a published entry.
 BUILD_LEFTOVER = re.compile(r"(\.o|\.ninja_deps|\.ninja_log|build\.ninja|^main\.cpp|^cuda\.cu|^lock)$")
 HEAVY_MODULES = ("filelock", "jinja2", "torch.utils.cpp_extension", "jitattn.jit.build", "jitattn.jit.lock")
 

@@ -398,11 +398,11 @@ def die():
 point = os.environ["TEST_KILL_AT"]
 if point == "after_render":          # sources written to staging, nothing compiled
     build.compile_library = lambda *a, **k: die()
-elif point == "after_link":          # module linked (and loaded) by load_inline, not renamed
-    real_load_inline = cpp_extension.load_inline
-    def load_inline(*a, **k):
-        real_load_inline(*a, **k); die()
-    cpp_extension.load_inline = load_inline
+elif point == "after_link":          # module linked (and loaded) by load, not renamed
+    real_load = cpp_extension.load
+    def load(*a, **k):
+        real_load(*a, **k); die()
+    cpp_extension.load = load
 elif point == "before_manifest":     # module.so in place, no manifest
     cache.write_manifest = lambda *a, **k: die()
 elif point == "after_manifest":      # a finished staging dir, not yet renamed into place

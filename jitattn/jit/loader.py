@@ -161,7 +161,7 @@ def build_and_load(spec: KernelSpec, force: bool = False) -> LoadedModule:
             for tier in chain:
                 if tier is not home:
                     tier.publish(entry, want)  # before the build turns end, so waiters find it
-    # load_inline already loaded the library from staging; register it under its entry.
+    # cpp_extension.load already loaded the library from staging; register it under its entry.
     return _register(spec, entry)
 
 
