@@ -424,8 +424,8 @@ def sequence_reads(shared: Shared) -> list[tuple]:
 
 
 def _preload(shared: Shared, qualifiers: str) -> tuple[str, list[tuple]]:
-    """The Preloaded struct and preload(b): each sequence read as a load that goes out where it is
-    written (variant.cuh's load_now), and the reads, in the struct's order."""
+    """The Preloaded struct and preload(b): each sequence read as a volatile load, which goes out
+    where it is written (variant.cuh's load_*<true>), and the reads, in the struct's order."""
     reads = sequence_reads(shared)
     emitter = _Emitter(shared, "e")
     fields = []

@@ -34,7 +34,7 @@ __device__ __forceinline__ bool block_extent(const VarlenParams& p, Work& w, int
   // early return below cost a second one (clock stamps: notes/forward-h200.md).
   // With a mask hook, whose code follows that return, ptxas sank the key side's end below it, and
   // the hook's reads of the sequence's own values (whole[b]) came after both: two more latencies
-  // per CTA, a fifth of a padded encoder call of one-tile sentences (notes/transformers-host.md,
+  // per CTA, on one-tile sentences most of what the CTA waits for (SASS: notes/transformers-host.md,
   // tenth session). So there both are volatile loads, which stay where they are written.
   const MaskMod mask_mod = mask_mod_of(p);
   const MaskMod::Preloaded own = mask_mod.preload(w.seq);
