@@ -464,7 +464,12 @@ def render_mask_mod(v: Variant, qualifiers: str = "__device__ __forceinline__") 
 
     preload, preloaded = _preload(Shared(v.tree, v.captures), qualifiers)
     tile, verdict = interval_walk(False)
-    tile_pre, verdict_pre = interval_walk(False, {node: n for n, node in enumerate(preloaded)})
+    if preloaded:
+        tile_pre, verdict_pre = interval_walk(False, {node: n for n, node in enumerate(preloaded)})
+        classify_pre = (f"{_body(tile_pre)}    return !{verdict_pre}.may_true ? TILE_EMPTY : "
+                        f"!{verdict_pre}.may_false ? TILE_FULL : TILE_PARTIAL;\n")
+    else:  # nothing to preload: the same verdict as classify's, not a second copy of its body
+        classify_pre = "    return classify(b, kv_head, q_lo, q_hi, kv_lo, kv_hi);\n"
     caps = "caps(p.captures), " if v.captures else "caps(nullptr), "
     reads, by_head = mask_map_needs(v)
     # classify_warp: only a mask that reads captures has a map (mask_map.cuh) to call it
@@ -490,8 +495,7 @@ def render_mask_mod(v: Variant, qualifiers: str = "__device__ __forceinline__") 
         "  }\n"
         f"{preload}"
         f"  {qualifiers} TileClass classify(const Preloaded& pre, {tile_args}) const {{\n"
-        f"{_body(tile_pre)}    return !{verdict_pre}.may_true ? TILE_EMPTY : !{verdict_pre}.may_false ? TILE_FULL : "
-        "TILE_PARTIAL;\n"
+        f"{classify_pre}"
         "  }\n"
         f"  {qualifiers} TileClass classify_warp({tile_args}) const {{\n"
         f"{_body(warp_tile)}    return !{warp_verdict}.may_true ? TILE_EMPTY : !{warp_verdict}.may_false ? TILE_FULL : "
