@@ -98,12 +98,25 @@ def test_decode_fields_out_of_their_enum_or_range_are_refused_naming_field_and_v
     ("varlen", {"block_n": 40}, "block_n a multiple of 16"),
     ("varlen", {"block_n": 4096}, r"block_n must be in \[0, 256\]"),
     ("varlen", {"dtype": "float8_e4m3fn"}, "dtype must be float16 or bfloat16"),
+    ("varlen", {"min_blocks": 5}, r"min_blocks must be in \[0, 4\]"),
+    ("varlen", {"wgmma": True, "min_blocks": 2}, "only kernels without the producer"),  # setmaxnreg's pool
     ("varlen_backward", {"warps_q": True}, "warps_q must be an integer"),
     ("varlen_backward", {"consumer_regs": -1}, r"consumer_regs must be in \[0, 255\]"),
 ])
 def test_varlen_fields_are_typed_and_ranged(family, fields, named):
     with pytest.raises((TypeError, ValueError), match=named):
         registry.spec_from_dict({"family": family, "head_dim": 128, **fields})
+
+
+def test_min_blocks_reaches_the_launch_bounds_and_the_key():
+    from jitattn.jit import render
+
+    rule, asked = (registry.spec_from_dict({"family": "varlen", "head_dim": 32, "min_blocks": m}) for m in (0, 3))
+    assert rule.name != asked.name and asked.name.endswith("_b3")
+    for spec, count in ((rule, 0), (asked, 3)):
+        source = render.render(spec, "ns")["kernels.cu"]
+        assert f"constexpr int MIN_BLOCKS = {count} > 0 ? {count} :" in source
+        assert "__launch_bounds__(THREADS, MIN_BLOCKS)" in source
 
 
 @pytest.mark.parametrize("family", FAMILIES)

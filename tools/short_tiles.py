@@ -52,6 +52,10 @@ TILES = {
         "mma m8x1n80": {"warps_m": 8, "m_tiles": 1, "block_n": 80, "stages": 2},
         "mma m2x2n80": {"warps_m": 2, "m_tiles": 2, "block_n": 80, "stages": 2},
         "mma m2x1n80": {"warps_m": 2, "m_tiles": 1, "block_n": 80, "stages": 2},
+        # the default tile with the launch bounds asking for more resident CTAs (fewer registers:
+        # one-tile CTAs are latency, which more CTAs per SM hide)
+        "default, 3 CTAs/SM": {"min_blocks": 3},
+        "default, 4 CTAs/SM": {"min_blocks": 4},
     },
     64: {
         "default": {},

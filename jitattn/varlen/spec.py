@@ -204,13 +204,14 @@ class VarlenSpec(KernelSpec):
     mask_mod: str = ""   # a user's mask_mod, likewise
     exact_soft_cap: bool = False  # soft cap by an exact tanh (exp2 + reciprocal), not the hardware's tanh.approx
     poly_exp2: int = 0  # of every 4 key columns of 8, how many take exp2 on the FMA pipe (softmax.cuh)
+    min_blocks: int = 0  # CTAs per SM the launch bounds ask ptxas to fit; 0: the shape's rule (fwd_shape.cuh)
 
     # Field rules (KernelSpec.validate_fields); a tile field's 0 means the tuned default.
     choices: ClassVar[dict[str, tuple[str, ...]]] = {"dtype": ("float16", "bfloat16")}
     parsers: ClassVar[dict[str, object]] = VARIANT_PARSERS
     ranges: ClassVar[dict[str, tuple[int, int]]] = {
         "head_dim": (32, 256), "warps_m": (0, 16), "m_tiles": (0, 8), "block_n": (0, 256), "stages": (0, 8),
-        "poly_exp2": (0, 4)}
+        "poly_exp2": (0, 4), "min_blocks": (0, 4)}
     rules: ClassVar[dict[str, str]] = {"head_dim": "a multiple of 16 in [32, 256]"}
 
     def __post_init__(self):
@@ -253,6 +254,10 @@ class VarlenSpec(KernelSpec):
             raise ValueError("varlen persistent=True runs the prefill producer kernel with TMA and the plain GEMM "
                              "order, its output staged in the last key tile's K / V stage (block_n keys each): "
                              f"got {self.name}")
+        if self.min_blocks and self.has_producer:
+            raise ValueError(f"varlen min_blocks={self.min_blocks} sets the launch's registers, within which the "
+                             f"producer kernel's setmaxnreg split is sized: only kernels without the producer "
+                             f"warpgroup take it (got {self.name})")
         for name in ("pingpong", "overlap", "split_kv") + (() if self.decode else ("tma",)):
             if getattr(self, name) and not self.has_producer:
                 raise ValueError(f"varlen {name}=True schedules the wgmma rung's producer warpgroup, which head_dim "
@@ -376,6 +381,7 @@ class VarlenSpec(KernelSpec):
         tile += ("_pingpong" if self.pingpong else "") + ("_overlap" if self.overlap else "") + ("_tma" if self.tma else "")
         tile += ("_splitkv" if self.split_kv else "") + ("_persistent" if self.persistent else "")
         tile += f"_poly{self.poly_exp2}" if self.poly_exp2 else ""
+        tile += f"_b{self.min_blocks}" if self.min_blocks else ""
         return (f"varlen_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{'_paged' if self.paged else ''}"
                 f"_{'decode' if self.decode else 'prefill'}{'_wgmma' if self.wgmma else ''}"
                 f"{'_cap' if self.soft_cap else ''}{'x' if self.exact_soft_cap else ''}{_variant_tag(self)}_{tile}")

@@ -91,9 +91,9 @@ constexpr int N_TILES = WARP_N / 8;        // n8 MMA tiles of S per warp
 constexpr int CHUNKS = HEAD_DIM / 8;       // 16-byte chunks per row
 constexpr int ROW_CHUNKS = (CHUNKS + 7) / 8 * 8;  // shared row, padded to whole swizzle groups
 // Ask for 2 CTAs per SM when the O accumulators (M_TILES * HEAD_DIM / 2 registers; with wgmma
-// also all of S, BLOCK_N / 2) leave room.
+// also all of S, BLOCK_N / 2) leave room; VarlenSpec.min_blocks asks for its own count instead.
 constexpr int ACC_REGS = WGMMA ? HEAD_DIM / 2 + BLOCK_N / 2 : M_TILES * HEAD_DIM / 2;
-constexpr int MIN_BLOCKS = ACC_REGS + 64 <= 65536 / (2 * THREADS) ? 2 : 1;
+constexpr int MIN_BLOCKS = {{ min_blocks }} > 0 ? {{ min_blocks }} : ACC_REGS + 64 <= 65536 / (2 * THREADS) ? 2 : 1;
 static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= 256, "head_dim: a multiple of 16, at most 256");
 static_assert(N_TILES % 2 == 0, "ldmatrix.x4 loads two n8 tiles of K at a time");
 static_assert(STAGES >= 2, "the ring needs a stage to load while one computes");
