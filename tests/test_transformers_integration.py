@@ -123,7 +123,7 @@ def test_use_backend_takes_only_a_backend_and_restores_the_previous_one_after_an
 
 
 def test_use_backend_refuses_an_unknown_padding_by_name(calls):
-    with pytest.raises(ValueError, match=r"backend\.padding must be one of on_device, host_read, got 'unpad'"):
+    with pytest.raises(ValueError, match=r"padding must be one of on_device, host_read, async_read, got 'unpad'"):
         with jt.use_backend(jt.JITATTN_BACKEND._replace(padding="unpad")):
             pass
     assert jt.JITATTN_BACKEND.padding == "on_device"
@@ -747,6 +747,64 @@ def test_host_read_padding_gives_the_same_result_and_leaves_the_mask_mod_out_wit
                 first = int(mask[0].nonzero().min())
                 assert call["k"].data_ptr() - k.data_ptr() == first * k.stride(2) * k.element_size()
 
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_async_read_padding_leaves_the_mask_mod_out_once_it_knows_no_row_has_gaps(calls, kind):
+    """Backend.padding "async_read": the plan of "on_device" (max_k = L_k, keys in place), and the
+    read of whether any row has gaps (a mask on the CPU is read at once: here the first layer
+    already knows) leaves the mask_mod out exactly when none has; every layer's output is the
+    float64 one, as "on_device"'s."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    backend = jt.Backend(calls_backend(calls).varlen_attn, calls_backend(calls).dtypes, padding="async_read")
+    for len_q in (10, 1):
+        for causal in (True, False):
+            mask = random_mask(kind, 4, 10, g)
+            gaps = any(row.any() and int(row.sum()) != int(row.nonzero().max()) + 1 - int(row.nonzero().min())
+                       for row in mask)
+            for layer in range(2):
+                q, k, v = qkv(batch=4, len_q=len_q, len_k=10, seed=int(torch.randint(0, 2**31, (1,), generator=g)))
+                with torch.no_grad():
+                    device, _ = jt.attention_forward(Attn(), q, k, v, mask, is_causal=causal)
+                    on_device = calls[-1]
+                    with jt.use_backend(backend):
+                        read, _ = jt.attention_forward(Attn(), q, k, v, mask, is_causal=causal)
+                call = calls[-1]
+                torch.testing.assert_close(read, device, rtol=0, atol=1e-6)
+                assert (call["max_q"], call["max_k"]) == (on_device["max_q"], on_device["max_k"]) == (len_q, 10)
+                assert call["k"].data_ptr() == k.data_ptr()
+                if len_q == 1:  # a decode step's row reads from its first token (row 0: its slot's start) to the end
+                    gaps = any(int(row.sum()) != 10 - (int(row.int().argmax()) if b else 0)
+                               for b, row in enumerate(mask))
+                assert (call["mask_mod"] is not None) == gaps, (kind, len_q, causal, layer)
+
+
+def calls_backend(calls) -> "jt.Backend":
+    """The backend the `calls` fixture installed (its stand-in and dtypes)."""
+    return jt._backend
+
+
+def test_async_read_warm_calls_switch_between_the_calls_with_and_without_the_mask_mod(kernel_calls):
+    """jitattn's own backend with "async_read" padding: a forward pass whose mask has no gaps runs
+    its later layers without the mask_mod, one with gaps with it; each way is mapped and planned
+    once (the same shapes' warm calls hand over to each other), and every layer is exact."""
+    clean = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]] * 2 + [[1] * 8], dtype=torch.bool)
+    holed = clean.clone()
+    holed[2, 3] = False
+    with torch.no_grad(), jt.use_backend(jt.jitattn_backend("async_read")):
+        for step, mask in enumerate((clean, holed, clean.clone(), holed.clone(), clean.clone())):
+            for layer in range(3):
+                # (B, H, L, D) views of (B, L, H, D) tensors, as a model's projections give them
+                q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2)
+                           for t in qkv(batch=3, len_q=8, len_k=8, dtype=BF16, seed=10 * step + layer))
+                out, _ = jt.attention_forward(Attn(), q, k, v, mask, is_causal=False)
+                torch.testing.assert_close(out.double(), sdpa(q, k, v, mask=mask, causal=False), rtol=0, atol=1e-2)
+                hooked = kernel_calls["launches"][-1]["spec"]
+                assert ("_mm" in hooked) == (mask is holed or bool((mask != clean).any())), (step, layer, hooked)
+    assert len(kernel_calls["mapped"]) == 2  # the pass without gaps, then the first with: never again
+    assert jt.jitattn_backend() is jt.JITATTN_BACKEND
+    with pytest.raises(ValueError, match="padding must be one of on_device, host_read, async_read, got 'x'"):
+        jt.jitattn_backend("x")
 
 def test_a_padded_training_step_with_gaps_is_differentiable(calls):
     """With grad the keys are packed (B * L_k rows), the mask_mod goes with them, and the

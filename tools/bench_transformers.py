@@ -1,6 +1,6 @@
 """transformers models with attn_implementation="jitattn" beside "sdpa", in the same run (issue 47's table).
 
-PYTHONPATH=. python tools/bench_transformers.py [--layers 4 32] [--new 64] [--profile] [--host-read]
+PYTHONPATH=. python tools/bench_transformers.py [--layers 4 32] [--new 64] [--profile] [--padding MODE...]
     [--cases generate train encoder flash]
 
 Random weights, bf16, on the GPU. Rows:
@@ -28,10 +28,12 @@ batch-1 step's host time, left out).
 (with its unprofiled wall time, device time and host waits), the host and device totals of one
 encoder forward (d32), and a cProfile (Python time between the ops) of batch-1 decode steps and
 encoder forwards (d64).
---host-read adds a column to the padded cases (generate b8, train padded, the encoders): jitattn
-with Backend.padding="host_read", the padded path before issue 47 item 2 (one host read per
-forward pass, tight max_k, no mask_mod without gaps), beside the default "on_device" (no host
-read; the mask_mod on every padded call) in the same run.
+--padding host_read async_read adds a column per mode to the padded cases (generate b8, train
+padded, the encoders): jitattn with that Backend.padding (jt.jitattn_backend: warm layer calls as
+the default's) beside the default "on_device" (no host read; the mask_mod on every padded call),
+in the same run. "host_read": the padded path before issue 47 item 2 (one host read per forward
+pass, tight max_k, no mask_mod without gaps); "async_read": "on_device" plus a non-blocking read of
+whether any row has gaps, whose later layers leave the mask_mod out once it arrived.
 """
 from __future__ import annotations
 
@@ -136,15 +138,12 @@ def encode_rate(m, batch):
         return batch["input_ids"].shape[0] / timed(lambda: m(**batch), 5)
 
 
-HOST_READ = "jitattn:host_read"  # jitattn with Backend.padding="host_read"
-
-
 def padding(impl: str):
     """The context an implementation runs in: "jitattn:<padding>" sets Backend.padding."""
     name, _, how = impl.partition(":")
     if not how:
         return contextlib.nullcontext()
-    return jt.use_backend(jt.JITATTN_BACKEND._replace(padding=how))
+    return jt.use_backend(jt.jitattn_backend(how))
 
 
 def compare(make, case, impls=("sdpa", "jitattn"), rounds: int = 3):
@@ -365,8 +364,8 @@ def main():
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per case")
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--host-read", action="store_true",
-                        help='also jitattn with Backend.padding="host_read" on the padded cases')
+    parser.add_argument("--padding", nargs="*", default=[], choices=[p for p in jt.PADDINGS if p != "on_device"],
+                        help="also jitattn with these Backend.padding modes on the padded cases")
     parser.add_argument("--cases", nargs="+", default=None,
                         help="only the rows whose name holds one of these words (generate, train, encoder, "
                              "host: one decode layer call's host time, flash: the flash-registry rows)")
@@ -374,7 +373,8 @@ def main():
     wants = lambda name: args.cases is None or any(c in name for c in args.cases)  # noqa: E731
     jt.register()
     data = inputs(torch.Generator().manual_seed(1))
-    padded = ("sdpa", "jitattn", HOST_READ) if args.host_read else ("sdpa", "jitattn")
+    modes = [f"jitattn:{how}" for how in args.padding]
+    padded = ("sdpa", "jitattn", *modes)
     table = []
     for layers in args.layers:
         for name, key in (("generate b1 tok/s", "b1"), ("generate b8 padded tok/s", "b8")):
@@ -400,14 +400,15 @@ def main():
                 args.rounds)))
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"bf16; Llama hidden 2048, 16/4 heads of 128; prompts {PROMPT}, {args.new} new tokens")
-    extra = f" {'host_read':>10s} {'ratio':>7s}" if args.host_read else ""
+    extra = "".join(f" {how:>10s} {'ratio':>7s}" for how in args.padding)
     print(f"{'case':42s} {'sdpa':>10s} {'jitattn':>10s} {'ratio':>7s} {'rounds min-max':>15s}{extra}")
     for name, (rates, ratios) in table:
         spread = ratios["jitattn"]
         line = (f"{name:42s} {rates['sdpa']:10.0f} {rates['jitattn']:10.0f} {statistics.median(spread):6.2f}x "
                 f"{spread[0]:7.2f}-{spread[-1]:.2f}x")
-        if HOST_READ in rates:
-            line += f" {rates[HOST_READ]:10.0f} {statistics.median(ratios[HOST_READ]):6.2f}x"
+        for mode in modes:
+            if mode in rates:
+                line += f" {rates[mode]:10.0f} {statistics.median(ratios[mode]):6.2f}x"
         print(line)
     if wants("host"):
         print(f"{'case (us: lower is better)':42s} {'sdpa':>10s} {'jitattn':>10s} {'sdpa/ours':>9s} {'rounds min-max':>15s}")

@@ -93,8 +93,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                            s_aux, kwargs)
     warm = None if signature is None else (_WARM.get(signature)
                                            or _next_length(signature, query, key, value, attention_mask))
-    if warm is not None:
-        return warm.run(query, key, value, attention_mask), None
+    out = None if warm is None else warm.run(query, key, value, attention_mask)
+    if out is not None:
+        return out, None
     _refuse(module, query, key, value, attention_mask, dropout, s_aux)
     query, key, value = _half(query, key, value)
     batch, heads_q, len_q, head_dim = query.shape
@@ -132,18 +133,30 @@ class Backend(NamedTuple):
     read (PADDINGS): "on_device" never reads it back; "host_read" reads the longest run and
     whether a row has gaps once per forward pass, and passes no mask_mod for masks without gaps
     (the path before issue 47 item 2, kept to measure against: tools/bench_transformers.py
-    --host-read). Both are exact."""
+    --padding); "async_read" is "on_device" whose first layer also starts a non-blocking copy of
+    whether any row has gaps, and layers that find it arrived (an event's query, no wait) leave
+    the mask_mod out when none has (`_GapRead`). All are exact."""
 
     varlen_attn: Callable
     dtypes: tuple = (torch.float16, torch.bfloat16)
     padding: str = "on_device"
 
 
-PADDINGS = ("on_device", "host_read")
+PADDINGS = ("on_device", "host_read", "async_read")
 
 
 JITATTN_BACKEND = Backend(_jitattn_varlen_attn)
+_OWN_BACKENDS = {padding: JITATTN_BACKEND if padding == JITATTN_BACKEND.padding
+                 else JITATTN_BACKEND._replace(padding=padding) for padding in PADDINGS}
 _backend = JITATTN_BACKEND
+
+
+def jitattn_backend(padding: str = JITATTN_BACKEND.padding) -> Backend:
+    """jitattn's own kernels with another padding mode (PADDINGS), for `use_backend`: its layer
+    calls are warm as the default's are (a Backend made elsewhere, with the same fields, never is)."""
+    if padding not in _OWN_BACKENDS:
+        raise ValueError(f"padding must be one of {', '.join(PADDINGS)}, got {padding!r}")
+    return _OWN_BACKENDS[padding]
 
 
 @contextlib.contextmanager
@@ -190,7 +203,8 @@ _FAMILIES: dict = {}
 def _signature(query, key, value, mask, dropout, scaling, sliding_window, softcap, causal, s_aux, kwargs):
     """What the mapping and the plan of a call depend on, or None where a call is never warm: every
     field the slow path reads but the mask's contents (the plan per mask is looked up per call)."""
-    if (_backend is not JITATTN_BACKEND or dropout or s_aux is not None or kwargs.get("cu_seq_lens_q") is not None
+    if (_OWN_BACKENDS.get(_backend.padding) is not _backend or dropout or s_aux is not None
+            or kwargs.get("cu_seq_lens_q") is not None
             or not isinstance(query, torch.Tensor) or query.dim() != 4 or not isinstance(key, torch.Tensor)
             or key.dim() != 4 or not isinstance(value, torch.Tensor)
             or (mask is not None and not isinstance(mask, torch.Tensor))):
@@ -215,7 +229,10 @@ class _WarmCall(NamedTuple):
     storage offsets are the tensors'), its metadata (a dense call's own starts, or None: the
     padding mask's plan), the plan (jitattn/varlen/forward.py's Launch) and, once it ran warm,
     the launch packed for the layout (jitattn/varlen/launch.py's KeptLaunch: a warm call then
-    writes its pointers alone; [None] until then, [False] where it does not apply)."""
+    writes its pointers alone; [None] until then, [False] where it does not apply). A padded
+    call's launch is with or without the mask_mod (`hooked`); an "async_read" plan drops it in
+    mid-pass, so each keeps the other's call for the same shapes in `other` ([None] until the full
+    path made it: `run` then returns None)."""
 
     launch: object
     views: tuple
@@ -223,12 +240,18 @@ class _WarmCall(NamedTuple):
     plan_key: tuple | None
     out_shape: tuple
     kept: list
+    hooked: bool = False
+    other: list | None = None
 
     def run(self, query, key, value, mask):
+        """The layer's output, or None: the call must take the full path (`attention_forward`)."""
         if self.starts is not None:
             (cu_q, cu_k, used), mask_mod = self.starts, None
         else:
             plan = _plan_of(mask, query.device, self.plan_key)
+            if (plan.mask_mod is not None) != self.hooked:
+                other = self.other[0] if self.other else None
+                return None if other is None else other.run(query, key, value, mask)
             cu_q, cu_k, used, mask_mod = plan.cu_q, plan.cu_k, plan.used, plan.mask_mod
         kept = self.kept[0]
         if kept is None:  # the first warm run packs the launch (False where a kept launch does not apply)
@@ -280,12 +303,25 @@ def _next_length(signature: tuple, query, key, value, mask) -> _WarmCall | None:
         warm = _WarmCall(launch, views, _dense_starts(batch, len_q, len_k, rows, query.device), None, known.out_shape,
                          [None])
     else:
-        warm = _WarmCall(launch, views, None, (len_q, len_k, rows) + known.plan_key[3:], known.out_shape, [None])
+        plan_key = (len_q, len_k, rows) + known.plan_key[3:]
+        warm = _WarmCall(launch, views, None, plan_key, known.out_shape, [None], known.hooked, [None])
+        sibling = known.other[0] if known.other else None  # the family's call the other way (`_WarmCall`)
+        launch = None if sibling is None else varlen_forward().for_max_k(sibling.launch, len_k)
+        if launch is not None:
+            _link(warm, _WarmCall(launch, views, None, plan_key, known.out_shape, [None], sibling.hooked, [None]))
     _keep(signature, family, warm)
     return warm
 
 
+def _link(a: _WarmCall, b: _WarmCall) -> None:
+    """a and b: one padded call's shapes, with and without the mask_mod; each runs the other's way."""
+    a.other[0], b.other[0] = b, a
+
+
 def _keep(signature: tuple, family: tuple | None, warm: _WarmCall) -> None:
+    known = _WARM.get(signature)
+    if known is not None and known.other is not None and warm.other is not None and known.hooked != warm.hooked:
+        _link(warm, known)  # the same shapes the other way: the pass dropped (or a new one needs) the mask_mod
     for memo, key in ((_WARM, signature), (_FAMILIES, family)):
         if key is not None:
             if len(memo) >= WARM_CALLS:
@@ -314,8 +350,10 @@ def _remember_warm(signature: tuple, query, key, value, mapped: _Mapped, common:
         return
     starts = None if mapped.plan_key is not None else (mapped.cu_q, mapped.cu_k, mapped.used)
     shape = query.shape
+    padded = mapped.plan_key is not None
     _keep(signature, _family(signature), _WarmCall(launch, views, starts, mapped.plan_key,
-                                                   (shape[0], shape[2], shape[1], shape[3]), [None]))
+                                                   (shape[0], shape[2], shape[1], shape[3]), [None],
+                                                   mapped.mask_mod is not None, [None] if padded else None))
 
 
 def varlen_forward():
@@ -505,7 +543,7 @@ def _padded(query, key, value, mask, common) -> _Mapped:
     else:
         k, v = (t.transpose(1, 2).reshape(batch * len_k, t.shape[1], head_dim) for t in (key, value))
         rows = len_k
-    plan_key = (len_q, len_k, rows, _backend.padding == "host_read", common["window_size"] == (-1, -1))
+    plan_key = (len_q, len_k, rows, _backend.padding, common["window_size"] == (-1, -1))
     plan = _plan_of(mask, query.device, plan_key)
     if plan.key_offset:
         k, v = k[plan.key_offset:], v[plan.key_offset:]
@@ -514,8 +552,13 @@ def _padded(query, key, value, mask, common) -> _Mapped:
 
 
 def _plan_of(mask: torch.Tensor, device: torch.device, plan_key: tuple) -> "_MaskPlan":
-    """The padding mask's plan (`_mask_plan`), derived by a forward pass's first layer and reused."""
-    return _PER_FORWARD.get(mask, device, plan_key, lambda: _mask_plan(mask, *plan_key[:3], device, *plan_key[3:]))
+    """The padding mask's plan (`_mask_plan`), derived by a forward pass's first layer and reused
+    (without its mask_mod once an "async_read" found that no row has gaps: `_GapRead`)."""
+    plan = _PER_FORWARD.get(mask, device, plan_key, lambda: _mask_plan(mask, *plan_key[:3], device, *plan_key[3:]))
+    if plan.gaps is None or torch.compiler.is_compiling() or (device.type == "cuda"
+                                                              and torch.cuda.is_current_stream_capturing()):
+        return plan  # (an event is neither queried in a graph nor traced)
+    return plan.gaps.plan(plan)
 
 
 PER_ROW = (1, 3)  # sequences per padded row: one (decode, bidirectional) or three (padding, span, padding)
@@ -531,10 +574,49 @@ class _MaskPlan(NamedTuple):
     max_k: int
     key_offset: int  # cu_k counts from this row of the keys (cu_seq_k starts at 0)
     mask_mod: object  # which of a sequence's keys are tokens (`_key_is_token`), or None: all are
+    gaps: "_GapRead | None" = None  # "async_read": whether any row has gaps, on its way to the host
+
+
+class _GapRead:
+    """Whether any row of a padding mask has gaps, copied to the host without waiting: a
+    non-blocking copy into pinned memory and an event behind it. Layers of the pass ask `plan`;
+    until the event has passed (a query, never a wait) they get the plan as it is, afterwards
+    the plan without its mask_mod when no row has gaps (exact: the mask_mod is then true for
+    every key a sequence reads). The mask_mod costs a short call (an encoder's) a third of its
+    kernel time though every tile classifies FULL (notes/transformers-host.md); a host read
+    that waits costs more (Backend "host_read"). Never made under CUDA graph capture or
+    torch.compile (the plan keeps its mask_mod). A mask on the CPU is read at once."""
+
+    __slots__ = ("_flag", "_event", "_settled")
+
+    def __init__(self, whole: torch.Tensor):
+        everywhere = whole.all()
+        if everywhere.is_cuda:
+            self._flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._flag.copy_(everywhere, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._flag, self._event = everywhere, None
+        self._settled = None  # the plan to use once the flag is here
+
+    @staticmethod
+    def start(whole: torch.Tensor) -> "_GapRead | None":
+        """The read of all(whole) (whole[b]: sequence b reads no gap), or None where none may start."""
+        if torch.compiler.is_compiling() or (whole.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return None
+        return _GapRead(whole)
+
+    def plan(self, plan: "_MaskPlan") -> "_MaskPlan":
+        if self._settled is None:
+            if self._event is not None and not self._event.query():
+                return plan
+            self._settled = plan._replace(gaps=None, mask_mod=None if bool(self._flag) else plan.mask_mod)
+        return self._settled
 
 
 def _mask_plan(mask: torch.Tensor, len_q: int, len_k: int, rows: int, device: torch.device,
-               host_read: bool = False, bidirectional: bool = False) -> _MaskPlan:
+               padding: str = "on_device", bidirectional: bool = False) -> _MaskPlan:
     """Row b's keys are the span of its tokens, first to last, in the slot starting at row b * rows
     of the keys, and the mask_mod masks the padding inside the span (gaps). One query per row
     (decode): sequence b is query row b, its keys from its first token to the mask's end (row 0's
@@ -549,8 +631,10 @@ def _mask_plan(mask: torch.Tensor, len_q: int, len_k: int, rows: int, device: to
     third of the work units.
 
     max_q / max_k are the shapes' bounds (L_q, L_k), so nothing is read back: the kernels size their
-    grid by them and stop at each sequence's own length. `host_read` (Backend.padding) reads the
-    longest span and whether any row has gaps once instead, and leaves the mask_mod out without."""
+    grid by them and stop at each sequence's own length. `padding` (Backend.padding): "host_read"
+    reads the longest span and whether any row has gaps once instead, and leaves the mask_mod out
+    without; "async_read" starts the read of the latter without waiting (`_GapRead`)."""
+    host_read = padding == "host_read"
     mask = mask.to(device=device, dtype=torch.bool)
     batch = mask.shape[0]
     shapes = _mask_shapes(batch, len_q, len_k, rows, device)
@@ -559,10 +643,11 @@ def _mask_plan(mask: torch.Tensor, len_q: int, len_k: int, rows: int, device: to
     if len_q == 1:
         start = torch.cat([shapes.row_starts[:1], first_k[1:]])  # row 0 from its slot's start (row_starts[0] = 0)
         used = len_k - start  # to the mask's end, where the query is
+        whole = count_k == used
         plan = _MaskPlan(shapes.row_starts, torch.cat([slot + start, end]), used, 1, len_k, 0,
-                         _key_is_token(count_k == used, mask, start, 1))
+                         _key_is_token(whole, mask, start, 1))
         if not host_read:
-            return plan
+            return _reading(plan, whole, padding)
         host = torch.stack([(count_k != len_k - first_k).any().int(), first_k.min(), first_k[0]]).tolist()
         if host[0]:
             return plan
@@ -570,9 +655,10 @@ def _mask_plan(mask: torch.Tensor, len_q: int, len_k: int, rows: int, device: to
         return _MaskPlan(plan.cu_q, torch.cat([slot + first_k, end]) - offset, len_k - first_k, 1, len_k - int(host[1]),
                          offset, None)
     if bidirectional:
+        whole = count_k == span_k
         plan = _MaskPlan(shapes.row_starts, torch.cat([slot + first_k, end]), span_k, len_q, len_k, 0,
-                         _key_is_token(count_k == span_k, mask, first_k, 1))
-        return _read_back(plan, count_k, span_k) if host_read else plan
+                         _key_is_token(whole, mask, first_k, 1))
+        return _read_back(plan, count_k, span_k) if host_read else _reading(plan, whole, padding)
     first_q, span_q, _ = (first_k, span_k, count_k) if len_q == len_k else _runs(mask[:, -len_q:], shapes.columns)
     first_q = torch.where(span_q > 0, first_q, len_q)  # no valid query: all of the row is padding before
     row_q = shapes.row_starts[:-1]
@@ -584,7 +670,12 @@ def _mask_plan(mask: torch.Tensor, len_q: int, len_k: int, rows: int, device: to
     used = torch.stack([zero, span_k, zero], 1).flatten()
     whole = torch.stack([zero == 0, count_k == span_k, zero == 0], 1).flatten()  # padding sequences read no key
     plan = _MaskPlan(cu_q, cu_k, used, len_q, len_k, 0, _key_is_token(whole, mask, first_k, 3))
-    return _read_back(plan, count_k, span_k) if host_read else plan
+    return _read_back(plan, count_k, span_k) if host_read else _reading(plan, whole, padding)
+
+
+def _reading(plan: _MaskPlan, whole: torch.Tensor, padding: str) -> _MaskPlan:
+    """An on-device plan; with "async_read" padding, the read of whether it needs its mask_mod started."""
+    return plan._replace(gaps=_GapRead.start(whole)) if padding == "async_read" else plan
 
 
 def _read_back(plan: _MaskPlan, count_k: torch.Tensor, span_k: torch.Tensor) -> _MaskPlan:
