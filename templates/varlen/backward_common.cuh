@@ -206,6 +206,7 @@ __device__ __forceinline__ void scored_probs_to_dscores(const BwdParams& p, cons
 // QueryTile says the hook cuts it). Only boundary tiles run it. Each of the thread's two keys sees one
 // interval of packed rows (visible_rows), so an element costs two compares against its
 // compile-time column offset, instead of a division by pack for each of the thread's query columns.
+// pt and ds may be one array: the wgmma rung masks P^T alone, before dS^T is computed from it.
 template <int TILES>
 __device__ __forceinline__ void mask_hidden(const BwdParams& p, const Work& w, int m, int key0, int q0, int g, int c,
                                             bool hook, float (&pt)[TILES][4], float (&ds)[TILES][4]) {

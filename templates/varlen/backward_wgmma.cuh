@@ -262,12 +262,18 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
         load_row_stats(l, lse2, q0, c);
         scores_to_probs(s4, l, sl2);
       }
+      // P^T masked before dP^T is waited for: dS^T = P^T (dP^T - delta) is then 0 where P^T is,
+      // and the branch keeps all of P^T's exp2s ahead of the wait. Masked after it, ptxas hoisted
+      // the wait above 20 of the 32 exp2s (their MUFU time no longer under dP^T's GEMM).
+      if (tile.masked) mask_hidden(p, w, m, key0, q0, g, c, tile.hook, s4, s4);
       wgmma_wait<0>();
       wgmma_pin(dp);
       load_row_stats(d, delta, q0, c);
       probs_to_dscores(s4, dp4, d);
     }
-    if (tile.masked) mask_hidden(p, w, m, key0, q0, g, c, tile.hook, s4, dp4);
+    if constexpr (ScoreMod::ACTIVE && !ScoreMod::KV_AFFINE) {
+      if (tile.masked) mask_hidden(p, w, m, key0, q0, g, c, tile.hook, s4, dp4);
+    }
 
     // dS^T (DKV_SPLIT: and P^T; this warpgroup's queries) -> shared memory (T), for dQ (dV,
     // dK); else P^T and dS^T as A fragments. DKV_SPLIT with PRODUCER: one stage, which the
