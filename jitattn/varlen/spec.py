@@ -31,6 +31,9 @@ DECODE_TMA = False
 # Prefill head dims whose wgmma kernel with the TMA producer runs persistent (a CTA per SM walks
 # the row blocks; why: notes/forward-h200.md, "PERSISTENT_FORWARD_HEAD_DIMS").
 PERSISTENT_FORWARD_HEAD_DIMS: frozenset[int] = frozenset({64, 128})
+# CTAs per SM of a short call's (an encoder's sentences) head_dim 32 tile, whose one-tile CTAs
+# wait on memory (why: notes/transformers-host.md, "SHORT_D32_MIN_BLOCKS").
+SHORT_D32_MIN_BLOCKS = 3
 # Backward head dims whose wgmma kernel has the producer warpgroup (TMA copies of Q / dO, a bulk
 # dQ add at D64 / D128; why: notes/backward-h200.md, "PRODUCER_HEAD_DIMS").
 PRODUCER_HEAD_DIMS: frozenset[int] = frozenset({64, 128, 256})
@@ -292,9 +295,11 @@ class VarlenSpec(KernelSpec):
             split_kv = fixed.get("split_kv", wgmma and tma and head_dim == 256)
             persistent = fixed.get("persistent", wgmma and tma and not decode
                                    and head_dim in PERSISTENT_FORWARD_HEAD_DIMS)
+            min_blocks = fixed.get("min_blocks", SHORT_D32_MIN_BLOCKS if short and head_dim == 32 and not paged
+                                   and not decode and not wgmma else 0)
             return cls(**{**fixed, "head_dim": head_dim, "dtype": dtype, "paged": paged, "soft_cap": soft_cap,
                           "decode": decode, "wgmma": wgmma, "tma": tma, "split_kv": split_kv,
-                          "persistent": persistent})
+                          "persistent": persistent, "min_blocks": min_blocks})
 
         # why (TMA, split_kv, persistent): notes/forward-h200.md, "VarlenSpec.takes_tma" and after
         return _with_overrides(cls, choose(chosen), lambda forced: choose({**forced, **chosen}))
