@@ -119,6 +119,21 @@ def test_min_blocks_reaches_the_launch_bounds_and_the_key():
         assert "__launch_bounds__(THREADS, MIN_BLOCKS)" in source
 
 
+
+def test_only_a_short_calls_d32_tile_asks_for_more_ctas_per_sm():
+    """The short-call rule (an encoder's sentences): head_dim 32, not paged, prefill -> min_blocks
+    SHORT_D32_MIN_BLOCKS; every other call keeps the shape's rule (0), and a named field wins."""
+    from jitattn.varlen.spec import SHORT_D32_MIN_BLOCKS
+
+    def spec(head_dim=32, paged=False, few_rows=False, short=True, **chosen):
+        return VarlenSpec.for_call(head_dim, "bfloat16", paged, False, few_rows, False, True, True, short, **chosen)
+
+    assert SHORT_D32_MIN_BLOCKS > 0 and spec().min_blocks == SHORT_D32_MIN_BLOCKS
+    assert spec().name.endswith(f"_b{SHORT_D32_MIN_BLOCKS}")
+    assert [spec(short=False).min_blocks, spec(paged=True).min_blocks, spec(few_rows=True).min_blocks,
+            spec(head_dim=64).min_blocks, spec(head_dim=48).min_blocks] == [0] * 5
+    assert spec(min_blocks=0).min_blocks == 0
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("head_dim", [100, 24, 0, -64, 16, 272, 2**70])
 def test_dry_run_rejects_head_dims_no_kernel_builds_with_the_family_rule(family, head_dim, capsys):
