@@ -555,9 +555,8 @@ def _plan_of(mask: torch.Tensor, device: torch.device, plan_key: tuple) -> "_Mas
     """The padding mask's plan (`_mask_plan`), derived by a forward pass's first layer and reused
     (without its mask_mod once an "async_read" found that no row has gaps: `_GapRead`)."""
     plan = _PER_FORWARD.get(mask, device, plan_key, lambda: _mask_plan(mask, *plan_key[:3], device, *plan_key[3:]))
-    if plan.gaps is None or torch.compiler.is_compiling() or (device.type == "cuda"
-                                                              and torch.cuda.is_current_stream_capturing()):
-        return plan  # (an event is neither queried in a graph nor traced)
+    if plan.gaps is None or torch.compiler.is_compiling():
+        return plan  # (nothing of the read is traced)
     return plan.gaps.plan(plan)
 
 
@@ -609,8 +608,8 @@ class _GapRead:
 
     def plan(self, plan: "_MaskPlan") -> "_MaskPlan":
         if self._settled is None:
-            if self._event is not None and not self._event.query():
-                return plan
+            if self._event is not None and (torch.cuda.is_current_stream_capturing() or not self._event.query()):
+                return plan  # not here yet (and never queried while a graph is captured)
             self._settled = plan._replace(gaps=None, mask_mod=None if bool(self._flag) else plan.mask_mod)
         return self._settled
 
