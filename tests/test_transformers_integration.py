@@ -756,7 +756,7 @@ def test_async_read_padding_leaves_the_mask_mod_out_once_it_knows_no_row_has_gap
     already knows) leaves the mask_mod out exactly when none has; every layer's output is the
     float64 one, as "on_device"'s."""
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
-    backend = jt.Backend(calls_backend(calls).varlen_attn, calls_backend(calls).dtypes, padding="async_read")
+    backend = jt._backend._replace(padding="async_read")  # the fixture's stand-in, reading asynchronously
     for len_q in (10, 1):
         for causal in (True, False):
             mask = random_mask(kind, 4, 10, g)
@@ -777,11 +777,6 @@ def test_async_read_padding_leaves_the_mask_mod_out_once_it_knows_no_row_has_gap
                     gaps = any(int(row.sum()) != 10 - (int(row.int().argmax()) if b else 0)
                                for b, row in enumerate(mask))
                 assert (call["mask_mod"] is not None) == gaps, (kind, len_q, causal, layer)
-
-
-def calls_backend(calls) -> "jt.Backend":
-    """The backend the `calls` fixture installed (its stand-in and dtypes)."""
-    return jt._backend
 
 
 def test_async_read_warm_calls_switch_between_the_calls_with_and_without_the_mask_mod(kernel_calls):
