@@ -19,7 +19,7 @@ def sets_needed(bytes_per_set: int) -> int:
     return max(2, -(-ROTATION_BYTES // bytes_per_set))
 
 
-def time_us(fns, warmup: int = 5, reps: int = 30, calls: int = 1) -> float:
+def time_us(fns, warmup: int = 5, reps: int = 30, calls: int = 1, spin_x: int = 1) -> float:
     """Median device time of one call in microseconds; `fns` is a list of calls on distinct
     input sets, used round-robin.
 
@@ -30,7 +30,11 @@ def time_us(fns, warmup: int = 5, reps: int = 30, calls: int = 1) -> float:
     calls > 1 times that many calls issued back to back between the two events (each on the next
     input set, as a model's layers would) and reports device time per call: what a decode step
     costs inside a pipeline, where one kernel follows another with no event or host wait between
-    them. The spin lasts 40 us per extra call, so the host stays ahead of the GPU."""
+    them. The spin lasts 40 us per extra call, so the host stays ahead of the GPU.
+
+    spin_x multiplies the spin, for calls whose host enqueue takes longer than ~100 us (an eager
+    forward + backward): then the GPU no longer idles inside the events. A longer spin also lets
+    a power-capped GPU cool between reps (tools/bwd_method.py shows both)."""
     if callable(fns):
         fns = [fns]
     for i in range(warmup):
@@ -39,7 +43,7 @@ def time_us(fns, warmup: int = 5, reps: int = 30, calls: int = 1) -> float:
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     n = warmup
     for s, e in zip(starts, ends):
-        torch.cuda._sleep(200_000 + 80_000 * (calls - 1))  # ~100 us at 1.98 GHz, + 40 us per extra call
+        torch.cuda._sleep((200_000 + 80_000 * (calls - 1)) * spin_x)  # ~100 us at 1.98 GHz, + 40 us per extra call
         s.record()
         for _ in range(calls):
             fns[n % len(fns)]()

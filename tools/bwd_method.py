@@ -1,0 +1,122 @@
+"""What issue 46's backward column measures: forward + backward minus forward, taken apart.
+
+tools/bench_variants.py times a backward as (forward + backward) - (forward without grad), each
+with CUDA events after a ~100 us spin that lets the host enqueue the call first. This times, for
+jitattn and torch.compile'd FlexAttention at the benchmark's shape, full and causal:
+
+- fwd no grad, fwd grad (the same forward with inputs that require grad: what the forward of a
+  training step costs), fwd+bwd, bwd alone (autograd.grad on a kept graph), in ms;
+- jitattn's host enqueue of each (us: the call's wall time while the GPU sleeps 10 ms ahead of
+  it, so the host never waits); where it exceeds the spin, the GPU idles inside the events.
+
+With `--spin-x N` the spin is N times longer (bench_util.time_us's spin_x): the host's enqueue
+is then hidden, but a power-capped GPU also cools between reps, so both peers speed up somewhat.
+
+    PYTHONPATH=. python3 tools/bwd_method.py [--rounds 3] [--spin-x 1] [--batch 8 --seqlen 4096 ...]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import jitattn  # noqa: E402
+from bench_util import sets_needed, time_us  # noqa: E402
+
+
+def host_enqueue_us(fn, reps: int = 10) -> float:
+    """Median wall time of fn() with the GPU busy sleeping (~10 ms) ahead of it: its host cost alone."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        torch.cuda._sleep(20_000_000)
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--spin-x", type=int, default=1)
+    parser.add_argument("--no-flex", action="store_true")
+    args = parser.parse_args()
+    import torch._functorch.config
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch._functorch.config.donated_buffer = False  # "bwd alone" runs the compiled backward on a kept graph
+    b, l, h, d = args.batch, args.seqlen, args.heads, args.head_dim
+    sets = [tuple(torch.randn(b, l, h, d, device="cuda", dtype=torch.bfloat16).requires_grad_(True) for _ in range(3))
+            for _ in range(sets_needed(3 * b * l * h * d * 2))]
+    grads = [torch.randn_like(s[0]) for s in sets]
+    cu = torch.arange(0, (b + 1) * l, l, dtype=torch.int32, device="cuda")
+    flex = torch.compile(flex_attention)
+
+    def ours(causal):
+        def run(q, k, v):
+            return jitattn.varlen_attn(q.view(b * l, h, d), k.view(b * l, h, d), v.view(b * l, h, d), cu, cu, l, l,
+                                       window_size=(-1, 0) if causal else (-1, -1)).view(b, l, h, d)
+        return run
+
+    def theirs(causal):
+        mask = create_block_mask(lambda bb, hh, qq, kk: qq >= kk, b, None, l, l, device="cuda") if causal else None
+
+        def run(q, k, v):
+            return flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask).transpose(1, 2)
+        return run
+
+    def timers(fn):
+        def fwd_no_grad(i):
+            with torch.no_grad():
+                fn(*sets[i])
+
+        def fwd_bwd(i):
+            torch.autograd.grad(fn(*sets[i]), sets[i], grads[i])
+
+        kept = [fn(*s) for s in sets]
+        steps = {"fwd no grad": fwd_no_grad, "fwd grad": lambda i: fn(*sets[i]), "fwd+bwd": fwd_bwd,
+                 "bwd alone": lambda i: torch.autograd.grad(kept[i], sets[i], grads[i], retain_graph=True)}
+        return {name: (lambda f=f: time_us([lambda i=i: f(i) for i in range(len(sets))], reps=10,
+                                           spin_x=args.spin_x) / 1e3)
+                for name, f in steps.items()}, steps
+
+    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; bf16 {b} x {l}, {h} heads, D{d}; ms, median "
+          f"of {args.rounds} interleaved rounds; spin x{args.spin_x}")
+    for causal in (False, True):
+        medians = {}
+        for name, fn in (("jitattn", ours(causal)),) + (() if args.no_flex else (("flex", theirs(causal)),)):
+            t, steps = timers(fn)
+            got = {k: [] for k in t}
+            for _ in range(args.rounds):
+                for k, f in t.items():
+                    got[k].append(f())
+            med = medians[name] = {k: statistics.median(v) for k, v in got.items()}
+            line = "  ".join(f"{k} {v:6.3f}" for k, v in med.items())
+            print(f"{'causal' if causal else 'full':6s} {name:8s} {line}  | fwd+bwd - fwd no grad "
+                  f"{med['fwd+bwd'] - med['fwd no grad']:6.3f}")
+            if name == "jitattn":
+                host = {k: host_enqueue_us(lambda f=f: f(0)) for k, f in steps.items() if k != "fwd+bwd"}
+                print(f"{'':15s} host enqueue (us): " + "  ".join(f"{k} {v:.0f}" for k, v in host.items()))
+        if "flex" in medians:
+            mine, peer = medians["jitattn"], medians["flex"]
+            print(f"{'':15s} flex / jitattn: bench column (fwd+bwd - fwd no grad) "
+                  f"{(peer['fwd+bwd'] - peer['fwd no grad']) / (mine['fwd+bwd'] - mine['fwd no grad']):.3f}x, "
+                  f"bwd alone {peer['bwd alone'] / mine['bwd alone']:.3f}x, "
+                  f"fwd {peer['fwd no grad'] / mine['fwd no grad']:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
