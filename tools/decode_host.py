@@ -1,0 +1,95 @@
+"""Where a warm batch-1 decode layer call's host time goes (transformers integration), beside sdpa's.
+
+Batch-1 generation is host-bound: both backends run the same model code, so its tokens/s ratio is
+the attention call's host time against sdpa's (notes/transformers-host.md). This times, on the GPU
+host, the integration's warm call (jitattn/integrations/transformers.py `attention_forward` after
+the first call of its shape) and its parts: the signature, the warm lookup, the kept launch
+(jitattn/varlen/launch.py KeptLaunch.run: the output's allocation, the split partials' (_Scratch),
+packing the params, the C entry point's launches), beside transformers' `sdpa_attention_forward`
+and `F.scaled_dot_product_attention` alone. Each: wall time per call of a loop of 4000 calls
+(one sync at its end), median of interleaved rounds. "C launch" is kept.run less its allocations
+and packing.
+
+    PYTHONPATH=. python3 tools/decode_host.py [--rounds 5] [--keys 288]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import jitattn.integrations.transformers as jt  # noqa: E402
+from jitattn.varlen import launch  # noqa: E402
+
+
+def per_call_us(fn, calls: int = 4000) -> float:
+    for _ in range(200):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--keys", type=int, default=288, help="the KV cache's length (prompt + new tokens)")
+    args = parser.parse_args()
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    class Attention(torch.nn.Module):
+        is_causal = True
+        num_key_value_groups = 4
+
+    module, scale = Attention(), 128 ** -0.5
+    q = torch.randn(1, 16, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 4, args.keys, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    with torch.no_grad():
+        for _ in range(3):
+            jt.attention_forward(module, q, k, v, None, scaling=scale)
+        signature = jt._signature(q, k, v, None, 0.0, scale, None, None, True, None, {})
+        warm = jt._WARM[signature]
+        kept = warm.kept[0]
+        cu_q, cu_k, used = warm.starts
+        parts = {
+            "attention_forward (warm)": lambda: jt.attention_forward(module, q, k, v, None, scaling=scale),
+            "sdpa_attention_forward": lambda: sdpa_attention_forward(module, q, k, v, None, scaling=scale),
+            "F.scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(q, k, v, scale=scale,
+                                                                                     enable_gqa=True),
+            "  signature": lambda: jt._signature(q, k, v, None, 0.0, scale, None, None, True, None, {}),
+            "  warm lookup": lambda: jt._WARM.get(signature),
+            "  warm.run": lambda: warm.run(q, k, v, None),
+            "    kept.run": lambda: kept.run(q, k, v, cu_q, cu_k, used, ()),
+            "      output allocation": lambda: torch.empty(kept.out_shape, dtype=kept.dtype, device=kept.device),
+            "      partials allocation": lambda: launch._Scratch(kept.sizes, kept.device),
+            "      params packing": lambda: launch._POINTERS.pack_into(bytearray(kept.params), 0, *([0] * 14)),
+            "  knobs": lambda: jt.varlen_forward().knobs(),
+        }
+        got = {name: [] for name in parts}
+        for _ in range(args.rounds):
+            for name, fn in parts.items():
+                got[name].append(per_call_us(fn))
+    med = {name: statistics.median(t) for name, t in got.items()}
+    med["      C launch (kept.run less the three above)"] = med["    kept.run"] - sum(
+        med[n] for n in ("      output allocation", "      partials allocation", "      params packing"))
+    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; batch-1 decode layer call, 16/4 heads of 128, "
+          f"{args.keys} keys; us per call, median of {args.rounds} rounds (split partials: {kept.sizes[0]} rows)")
+    for name, t in med.items():
+        spread = got.get(name)
+        print(f"{name:48s} {t:7.2f}" + (f"  ({min(spread):.2f}-{max(spread):.2f})" if spread else ""))
+
+
+if __name__ == "__main__":
+    main()
