@@ -480,3 +480,83 @@ def test_varlen_attn_out_warm_calls_write_into_the_given_out(launches, monkeypat
         odd = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)  # not 16-byte aligned
         assert jitattn.varlen_attn_out(odd, **b) is odd
         assert launches[-1][1][7] is None, "an out the kernel cannot write gets the result copied in"
+
+
+def counting_backward(monkeypatch):
+    """The backward launch replaced by one that records its keyword arguments (the ctx constants)
+    and returns ones of the inputs' shapes."""
+    import jitattn.varlen.backward_launch as backward_launch
+
+    calls = []
+
+    def backward(grad_out, grad_lse, query, key, value, *rest, **kwargs):
+        calls.append(kwargs)
+        return torch.ones_like(query), torch.ones_like(key), torch.ones_like(value)
+
+    monkeypatch.setattr(backward_launch, "backward", backward)
+    return calls
+
+
+def grad_batch(**kwargs):
+    b = batch([5, 9], [7, 12], h_q=8, h_kv=2, d=64, **kwargs)
+    for name in ("query", "key", "value"):
+        b[name] = torch.randn_like(b[name]).requires_grad_()
+    return b
+
+
+def test_eager_calls_with_grad_are_warm_after_the_first(launches, monkeypatch):
+    """A training step's layers: an eager call with grad whose shapes, scalars and grad flags were
+    seen launches the remembered plan (no checks, no planning) and records the same autograd
+    constants as the checked call; a changed scalar is checked and planned again."""
+    import jitattn
+    import jitattn.varlen.api as varlen_api
+
+    plans = counting_plans(monkeypatch)
+    checked = []
+    real_check = varlen_api.varlen_call
+    monkeypatch.setattr(varlen_api, "varlen_call", lambda *a, **kw: checked.append(1) or real_check(*a, **kw))
+    backward_calls = counting_backward(monkeypatch)
+    results = []
+    for i in range(3):
+        b = grad_batch()
+        out = jitattn.varlen_attn(**b, window_size=(-1, 0))
+        assert out.requires_grad
+        spec, args = launches[-1]
+        assert args[0] is b["query"] and args[1] is b["key"] and args[2] is b["value"], "this call's tensors"
+        assert args[RUN_ARGS.index("want_lse")], "the backward needs the forward's lse"
+        out.sum().backward()
+        assert all(b[n].grad is not None for n in ("query", "key", "value"))
+        results.append((spec, scalars(args), backward_calls[-1]))
+    assert len(checked) == 1 and len(plans) == 1, "the second and third calls are warm"
+    assert results[1] == results[0] and results[2] == results[0]
+    assert results[0][2]["scale"] == 64 ** -0.5 and results[0][2]["window_size"] == [-1, 0]
+    assert results[0][2]["max_q"] == 9 and results[0][2]["max_k"] == 12 and results[0][2]["softcap"] == 0.0
+
+    b = grad_batch()
+    jitattn.varlen_attn(**b, window_size=(-1, 0), scale=0.5).sum().backward()
+    assert len(checked) == 2 and backward_calls[-1]["scale"] == 0.5, "another scale: checked and planned again"
+    with pytest.raises(ValueError, match="scale"):  # a bad value is never warm
+        jitattn.varlen_attn(**grad_batch(), window_size=(-1, 0), scale=-1.0)
+
+
+def test_warm_calls_with_grad_read_this_calls_captured_tensors(launches, monkeypatch):
+    """A traced variant's key is its tree and its captures' metadata: a warm call with grad passes
+    the kernel and the backward this call's captured tensors, not the first call's."""
+    import jitattn
+    from jitattn.variants import trace_mask_mod
+
+    import jitattn.varlen.api as varlen_api
+
+    checked = []
+    real_check = varlen_api.varlen_call
+    monkeypatch.setattr(varlen_api, "varlen_call", lambda *a, **kw: checked.append(1) or real_check(*a, **kw))
+    backward_calls = counting_backward(monkeypatch)
+    for i in range(3):
+        doc = torch.tensor([0] * 7 + [1] * 12, dtype=torch.int32) + i  # new values, same metadata
+        mask_mod = trace_mask_mod(lambda b, h, q_idx, kv_idx, doc=doc: doc[kv_idx] >= doc[q_idx])
+        b = grad_batch()
+        jitattn.varlen_attn(**b, mask_mod=mask_mod).sum().backward()
+        args = dict(zip(RUN_ARGS, launches[-1][1]))
+        assert args["captures"][0] is doc
+        assert backward_calls[-1]["mask_mod"] is mask_mod
+    assert len(checked) == 1, "the second and third calls are warm"

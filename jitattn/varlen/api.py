@@ -17,12 +17,15 @@ The ops are registered on first use of either (`ops_registered`), or by `import 
 from __future__ import annotations
 
 import contextlib
+import functools
+from typing import NamedTuple
 
 import torch
 
+from jitattn.kernel import call_memo, evict_oldest
 from jitattn.lazy_ops import trace_time_constant
 from jitattn.varlen.checks import AuxRequest, needs_grad, varlen_call
-from jitattn.varlen.forward import forward, warm_forward, warm_key
+from jitattn.varlen.forward import WARM_ENTRIES, forward, remembered, run_remembered, warm_forward, warm_key
 
 __all__ = ["AuxRequest", "varlen_attn", "varlen_attn_out"]
 _NO_CONTEXT = contextlib.nullcontext()
@@ -75,6 +78,65 @@ def _eager(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_si
     return result
 
 
+class _GradConstants(NamedTuple):
+    """What EagerVarlenAttn reads of a checked call besides its tensors: the checks resolve
+    scale (None: 1 / sqrt(D)) and softcap (None: 0). The tensors and variants are the call's own."""
+
+    cu_seq_q: torch.Tensor | None
+    cu_seq_k: torch.Tensor | None
+    seqused_k: torch.Tensor | None
+    scale: float
+    max_q: int
+    max_k: int
+    softcap: float
+    score_mod: object
+    mask_mod: object
+
+
+# Eager calls with grad, warm as the no-grad ones are: forward.py remembers the plan under the
+# call's warm_key (which holds requires_grad and the grad mode, so these keys are their own), and
+# this memo the checked constants beside it. A training step's layers then skip the checks and
+# the planning, which otherwise cost its forward more host time than the launch itself
+# (notes/variants-h100.md, "What the backward column measures").
+_warm_grad: dict = call_memo()
+_WITH_LSE = AuxRequest(lse=True)  # the backward needs the forward's lse
+
+
+def _eager_with_grad(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa,
+                     seqused_k, block_table, num_splits, softcap, score_mod, mask_mod):
+    """(out, lse) of an eager call that autograd records: the op's launches and formula without
+    the dispatcher (jitattn/varlen/backward.py EagerVarlenAttn), warm when its key was seen."""
+    from jitattn.varlen.backward import EagerVarlenAttn, check_differentiable
+
+    check_differentiable(block_table)
+    memo = warm_key(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa, seqused_k,
+                    block_table, num_splits, None, _WITH_LSE, softcap, score_mod, mask_mod)
+    launch = None if memo is None else remembered(memo)
+    known = None if launch is None else _warm_grad.get(memo)
+    if known is not None:
+        call = known._replace(cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k, seqused_k=seqused_k, score_mod=score_mod,
+                              mask_mod=mask_mod)
+        run = functools.partial(_run_warm, launch, query, key, value)
+        return EagerVarlenAttn.apply(run, call, list(window_size), query, key, value)
+    call = varlen_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
+                       enable_gqa=enable_gqa, seqused_k=seqused_k, num_splits=num_splits, return_aux=_WITH_LSE,
+                       softcap=softcap, score_mod=score_mod, mask_mod=mask_mod)
+    run = forward if memo is None else functools.partial(forward, remember_as=memo)
+    result = EagerVarlenAttn.apply(run, call, list(window_size), query, key, value)
+    if memo is not None and remembered(memo) is not None:  # planned, and ready as given (forward.py)
+        if len(_warm_grad) >= WARM_ENTRIES:
+            evict_oldest(_warm_grad)
+        _warm_grad[memo] = _GradConstants(None, None, None, call.scale, call.max_q, call.max_k, call.softcap,
+                                          None, None)
+    return result
+
+
+def _run_warm(launch, query, key, value, call: _GradConstants):
+    """EagerVarlenAttn's forward launch for a warm call: the remembered plan on this call's tensors."""
+    return run_remembered(launch, query, key, value, call.cu_seq_q, call.cu_seq_k, call.seqused_k, None, None,
+                          call.score_mod, call.mask_mod)
+
+
 def varlen_attn(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -121,14 +183,8 @@ def varlen_attn(
     if grad and not through_op:
         # Eager with grad: the op's launches and formula without the dispatcher, whose first
         # custom-op call imports torch._dynamo (why: notes/first-call.md).
-        from jitattn.varlen.backward import EagerVarlenAttn, check_differentiable
-
-        check_differentiable(block_table)
-        call = varlen_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                           window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
-                           num_splits=num_splits, return_aux=AuxRequest(lse=True), softcap=softcap,
-                           score_mod=score_mod, mask_mod=mask_mod)
-        out, lse = EagerVarlenAttn.apply(forward, call, list(window_size), query, key, value)
+        out, lse = _eager_with_grad(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size,
+                                    enable_gqa, seqused_k, block_table, num_splits, softcap, score_mod, mask_mod)
     elif grad or through_op:
         # The op carries the autograd formula, which needs the lse: asked for whenever grad is.
         ops_registered()
