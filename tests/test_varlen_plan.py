@@ -517,7 +517,7 @@ def test_eager_calls_with_grad_are_warm_after_the_first(launches, monkeypatch):
     monkeypatch.setattr(varlen_api, "varlen_call", lambda *a, **kw: checked.append(1) or real_check(*a, **kw))
     backward_calls = counting_backward(monkeypatch)
     results = []
-    for i in range(3):
+    for _ in range(3):
         b = grad_batch()
         out = jitattn.varlen_attn(**b, window_size=(-1, 0))
         assert out.requires_grad
@@ -543,9 +543,8 @@ def test_warm_calls_with_grad_read_this_calls_captured_tensors(launches, monkeyp
     """A traced variant's key is its tree and its captures' metadata: a warm call with grad passes
     the kernel and the backward this call's captured tensors, not the first call's."""
     import jitattn
-    from jitattn.variants import trace_mask_mod
-
     import jitattn.varlen.api as varlen_api
+    from jitattn.variants import trace_mask_mod
 
     checked = []
     real_check = varlen_api.varlen_call
