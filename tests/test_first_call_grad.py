@@ -23,7 +23,8 @@ import jitattn.checks as checks, jitattn.varlen.api as api, jitattn.varlen.backw
 # No GPU here: the device check accepts CPU tensors and the launches are stand-ins of the right shapes;
 # what is measured is the path around them (autograd wiring, dispatch), as a GPU call takes it.
 checks.cuda_device = lambda named: next(iter(named.values())).device
-api.forward = lambda call, remember_as=None: (call.query.detach() * 1.0, torch.zeros(call.query.shape[1], call.query.shape[0]))
+api.forward = lambda call, remember_as=None: (call.query.detach() * 1.0,
+                                               torch.zeros(call.query.shape[1], call.query.shape[0]))
 launch.backward = lambda g, gl, q, k, v, *rest, **kw: (torch.ones_like(q), torch.ones_like(k), torch.ones_like(v))
 q = torch.randn(16, 2, 64, dtype=torch.float16, requires_grad=True)
 cu = torch.tensor([0, 16], dtype=torch.int32)

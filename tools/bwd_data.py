@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jitattn  # noqa: E402
 from bench_util import sets_needed, time_us  # noqa: E402
+from bench_variants import shape_arguments  # noqa: E402
 from jitattn.variants import gallery  # noqa: E402
 
 
@@ -39,10 +40,7 @@ def sm_clock() -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seqlen", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--head-dim", type=int, default=128)
+    shape_arguments(parser)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--peak", type=float, default=8.0, help="q's scale for the peaked inputs")
     parser.add_argument("--causal", action="store_true")

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jitattn  # noqa: E402
 from bench_util import sets_needed, time_us  # noqa: E402
+from bench_variants import shape_arguments  # noqa: E402
 
 
 def host_enqueue_us(fn, reps: int = 10) -> float:
@@ -46,10 +47,7 @@ def host_enqueue_us(fn, reps: int = 10) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seqlen", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--head-dim", type=int, default=128)
+    shape_arguments(parser)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--spin-x", type=int, default=1)
     parser.add_argument("--no-flex", action="store_true")

@@ -7,8 +7,8 @@ the first call of its shape) and its parts: the signature, the warm lookup, the 
 (jitattn/varlen/launch.py KeptLaunch.run: the output's allocation, the split partials' (_Scratch),
 packing the params, the C entry point's launches), beside transformers' `sdpa_attention_forward`
 and `F.scaled_dot_product_attention` alone. Each: wall time per call of a loop of 4000 calls
-(one sync at its end), median of interleaved rounds. "C launch" is kept.run less its allocations
-and packing.
+(one sync at its end: tools/bench_util.py host_us_per_call), median of interleaved rounds.
+"C launch" is kept.run less its allocations and packing.
 
     PYTHONPATH=. python3 tools/decode_host.py [--rounds 5] [--keys 288]
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,19 +25,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jitattn.integrations.transformers as jt  # noqa: E402
+from bench_util import host_us_per_call  # noqa: E402
 from jitattn.varlen import launch  # noqa: E402
-
-
-def per_call_us(fn, calls: int = 4000) -> float:
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - start) / calls * 1e6
-    torch.cuda.synchronize()
-    return host
 
 
 def main() -> None:
@@ -80,7 +68,7 @@ def main() -> None:
         got = {name: [] for name in parts}
         for _ in range(args.rounds):
             for name, fn in parts.items():
-                got[name].append(per_call_us(fn))
+                got[name].append(host_us_per_call(fn, calls=4000))
     med = {name: statistics.median(t) for name, t in got.items()}
     med["      C launch (kept.run less the three above)"] = med["    kept.run"] - sum(
         med[n] for n in ("      output allocation", "      partials allocation", "      params packing"))
