@@ -59,7 +59,8 @@ if [ $profile = 1 ]; then
 fi
 # BENCH: a comma list of decode (default), varlen, backward, host, transformers, or all, or 0;
 # BENCH_ARGS go to the decode and varlen benchmarks (e.g. --quick).
-#   host: host time per tiny decode call beside SDPA, and the first call in a new process
+#   host: host time per tiny decode call beside SDPA, the first call in a new process, and a
+#     batch-1 transformers decode layer call's host time by part (tools/decode_host.py)
 #   backward: the varlen backward rows (the issue's shapes, peers, deterministic, skewed)
 #   transformers: tokens/s of a generation and a training step beside sdpa
 #   encoder: tools/profile_encoder.py at head dims 32 and 64 (wall, host and device totals, top kernels
@@ -69,7 +70,8 @@ fi
 #     transformers integration's tests, the first call with grad, issue 47's transformers table; with
 #     PYTORCH_DIR, torch's own attention tests with jitattn active). It may compile what the manifests
 #     lack, so it runs with the JIT on (into the writable cache).
-#   variants: tools/bench_variants.py (variants vs FlexAttention, masks vs windows, the soft cap's cost)
+#   variants: tools/bench_variants.py (variants vs FlexAttention, masks vs windows, the soft cap's cost),
+#     then tools/bwd_method.py (the backward column taken apart)
 #   sweep: tools/bench_sweep.py --quick (forward / backward TFLOP/s against sequence length, decode TB/s
 #     against kv length, beside the peers) -> $OUT/sweep.json, which tools/plot_benchmarks.py draws
 #   persistent: the forward's other schedule at D64 / D128 / D256 (a CTA per row block where calls
@@ -89,6 +91,7 @@ if wants host; then
   python3 tools/bench_decode.py --host-only 2>&1 | tee "$OUT/host.log"
   python3 -m compileall -q jitattn >/dev/null  # .pyc, as an installed package has them
   python3 tools/first_call.py --runs 3 --modes decode,breakdown,varlen 2>&1 | tee "$OUT/first_call.log"
+  python3 tools/decode_host.py 2>&1 | tee "$OUT/decode_host.log"  # a batch-1 transformers layer call's host time
 fi
 wants backward && python3 tools/bench_varlen.py --quick --parts backward --bwd-variants mma det peers skewed 2>&1 \
   | tee "$OUT/bench_backward.log"
@@ -109,4 +112,6 @@ wants sweep && python3 tools/bench_sweep.py --quick --json "$OUT/sweep.json" 2>&
 # compiles the variant kernels it meets (JIT on, into the writable cache).
 wants variants && JITATTN_DISABLE_JIT=0 python3 tools/bench_variants.py ${VARIANTS_ARGS:-} 2>&1 \
   | tee "$OUT/bench_variants.log"
+# What the variants table's backward column holds (the kernels alone, the grad path's host enqueue).
+wants variants && JITATTN_DISABLE_JIT=0 python3 tools/bwd_method.py 2>&1 | tee "$OUT/bwd_method.log"
 exit $status
