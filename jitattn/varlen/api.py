@@ -78,9 +78,10 @@ def _eager(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_si
     return result
 
 
-class _GradConstants(NamedTuple):
-    """What EagerVarlenAttn reads of a checked call besides its tensors: the checks resolve
-    scale (None: 1 / sqrt(D)) and softcap (None: 0). The tensors and variants are the call's own."""
+class _WarmGradCall(NamedTuple):
+    """What EagerVarlenAttn reads of a checked call, for a warm one: this call's tensors, variants
+    and sizes, and the scale and soft cap the checks resolved (None: 1 / sqrt(D); None: 0) for
+    its key the first time."""
 
     cu_seq_q: torch.Tensor | None
     cu_seq_k: torch.Tensor | None
@@ -95,7 +96,7 @@ class _GradConstants(NamedTuple):
 
 # Eager calls with grad, warm as the no-grad ones are: forward.py remembers the plan under the
 # call's warm_key (which holds requires_grad and the grad mode, so these keys are their own), and
-# this memo the checked constants beside it. A training step's layers then skip the checks and
+# this memo the checked scale and soft cap beside it. A training step's layers then skip the checks and
 # the planning, which otherwise cost its forward more host time than the launch itself
 # (notes/variants-h100.md, "What the backward column measures").
 _warm_grad: dict = call_memo()
@@ -112,10 +113,9 @@ def _eager_with_grad(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale,
     memo = warm_key(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa, seqused_k,
                     block_table, num_splits, None, _WITH_LSE, softcap, score_mod, mask_mod)
     launch = None if memo is None else remembered(memo)
-    known = None if launch is None else _warm_grad.get(memo)
-    if known is not None:
-        call = known._replace(cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k, seqused_k=seqused_k, score_mod=score_mod,
-                              mask_mod=mask_mod)
+    checked = None if launch is None else _warm_grad.get(memo)
+    if checked is not None:
+        call = _WarmGradCall(cu_seq_q, cu_seq_k, seqused_k, checked[0], max_q, max_k, checked[1], score_mod, mask_mod)
         run = functools.partial(_run_warm, launch, query, key, value)
         return EagerVarlenAttn.apply(run, call, list(window_size), query, key, value)
     call = varlen_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
@@ -126,12 +126,11 @@ def _eager_with_grad(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale,
     if memo is not None and remembered(memo) is not None:  # planned, and ready as given (forward.py)
         if len(_warm_grad) >= WARM_ENTRIES:
             evict_oldest(_warm_grad)
-        _warm_grad[memo] = _GradConstants(None, None, None, call.scale, call.max_q, call.max_k, call.softcap,
-                                          None, None)
+        _warm_grad[memo] = (call.scale, call.softcap)
     return result
 
 
-def _run_warm(launch, query, key, value, call: _GradConstants):
+def _run_warm(launch, query, key, value, call: _WarmGradCall):
     """EagerVarlenAttn's forward launch for a warm call: the remembered plan on this call's tensors."""
     return run_remembered(launch, query, key, value, call.cu_seq_q, call.cu_seq_k, call.seqused_k, None, None,
                           call.score_mod, call.mask_mod)
