@@ -9,10 +9,14 @@ jitattn and torch.compile'd FlexAttention at the benchmark's shape, full and cau
 - jitattn's host enqueue of each (us: the call's wall time while the GPU sleeps 10 ms ahead of
   it, so the host never waits); where it exceeds the spin, the GPU idles inside the events.
 
+With `--profile` it also prints, for jitattn, torch.profiler's view of a few calls of each step:
+every kernel's device time per call (is the forward with grad the same kernel, as fast, as the
+one without?) and the host operations by self time per call (where the backward's enqueue goes).
+
 With `--spin-x N` the spin is N times longer (bench_util.time_us's spin_x): the host's enqueue
 is then hidden, but a power-capped GPU also cools between reps, so both peers speed up somewhat.
 
-    PYTHONPATH=. python3 tools/bwd_method.py [--rounds 3] [--spin-x 1] [--batch 8 --seqlen 4096 ...]
+    PYTHONPATH=. python3 tools/bwd_method.py [--rounds 3] [--spin-x 1] [--profile] [--batch 8 --seqlen 4096 ...]
 """
 from __future__ import annotations
 
@@ -45,12 +49,36 @@ def host_enqueue_us(fn, reps: int = 10) -> float:
     return statistics.median(times)
 
 
+def profile_steps(steps: dict, calls: int = 5, top: int = 12) -> None:
+    """Per call of each step under torch.profiler: device time by kernel, host self time by op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, step in steps.items():
+        step(0)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(calls):
+                step(i % 2)
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                         key=lambda e: -e.self_device_time_total)
+        hosts = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
+                       key=lambda e: -e.self_cpu_time_total)
+        print(f"{'':15s} profile of {name!r} (us per call):")
+        for e in kernels[:6]:
+            print(f"{'':17s} device {e.self_device_time_total / calls:9.1f}  x{e.count / calls:g}  {e.key[:90]}")
+        for e in hosts[:top]:
+            print(f"{'':17s} host   {e.self_cpu_time_total / calls:9.1f}  x{e.count / calls:g}  {e.key[:90]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     shape_arguments(parser)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--spin-x", type=int, default=1)
     parser.add_argument("--no-flex", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="jitattn's steps under torch.profiler")
     args = parser.parse_args()
     import torch._functorch.config
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -108,6 +136,8 @@ def main() -> None:
             if name == "jitattn":
                 host = {k: host_enqueue_us(lambda f=f: f(0)) for k, f in steps.items() if k != "fwd+bwd"}
                 print(f"{'':15s} host enqueue (us): " + "  ".join(f"{k} {v:.0f}" for k, v in host.items()))
+                if args.profile:
+                    profile_steps({k: f for k, f in steps.items() if k != "fwd+bwd"})
         if "flex" in medians:
             mine, peer = medians["jitattn"], medians["flex"]
             print(f"{'':15s} flex / jitattn: bench column (fwd+bwd - fwd no grad) "
