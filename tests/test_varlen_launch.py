@@ -107,6 +107,32 @@ def test_a_kept_launch_packs_what_run_packs_with_its_own_tensors(recorder_for):
             assert got["pointers"][name] == want["pointers"][name] == 0, name
         partial_o, partial_lse = got["pointers"]["partial_o"], got["pointers"]["partial_lse"]
         assert partial_o and partial_lse == partial_o + 3 * 8 * 2 * 64 * 4  # splits x H_q x T_q x D floats
+        # one allocation: the partials lie past out's rows, in out's storage
+        assert partial_o == out.data_ptr() + out.numel() * out.element_size()
+        assert out.untyped_storage().nbytes() >= out.numel() * out.element_size() + 3 * 8 * 2 * (64 + 1) * 4
+
+
+def test_the_scratch_layout_is_aligned_and_disjoint():
+    """_Scratch's one allocation: each part 16-byte aligned, in order, none overlapping the next."""
+    from jitattn.varlen.launch import _Scratch
+
+    # (partials, head_dim, mask map elements, map heads, counter)
+    for sizes in ((3, 64, 10, 2, True), (5, 96, 0, 0, True), (0, 128, 7, 1, True), (2, 64, 0, 0, False),
+                  (0, 64, 0, 0, False)):
+        partials, head_dim, map_elements, _, counter = sizes
+        nbytes, (o, lse, count, mask_map) = _Scratch.layout(sizes)
+        parts = [(o, partials * head_dim * 4), (lse, partials * 4), (count, 4 if counter else 0),
+                 (mask_map, map_elements * 4)]
+        end = 0
+        for at, size in parts:
+            assert (at is None) == (size == 0), sizes
+            if at is not None:
+                assert at % 16 == 0 and at >= end, sizes
+                end = at + size
+        assert nbytes >= end and nbytes % 16 == 0
+        scratch = _Scratch(sizes, None, 4096)
+        assert (scratch.partial_o, scratch.counter, scratch.mask_map) == tuple(
+            0 if at is None else 4096 + at for at in (o, count, mask_map))
 
 
 def test_a_kept_launch_repacks_its_captures_whatever_their_strides(recorder_for):

@@ -136,29 +136,41 @@ class VarlenKernel(CEntryKernel):
             q.get_device(), *(capture_fields(captures) if captures else ())]
 
 
+def _aligned(n: int) -> int:
+    return -(-n // 16) * 16
+
+
 class _Scratch:
     """What a launch allocates besides its outputs (sizes from VarlenKernel._scratch_sizes), as the
-    pointers the params take (0 where not needed); the tensors live until the launch is queued."""
+    pointers the params take (0 where not needed), all in one allocation laid out by `layout`: the
+    split partials (o, then lse), the persistent grid's work counter (zeroed in C, on the launch's
+    stream), the mask map. The tensor lives until the launch is queued."""
 
     __slots__ = ("tensors", "partial_o", "partial_lse", "counter", "mask_map", "map_heads")
 
-    def __init__(self, sizes: tuple, device: torch.device | None):
-        partials, head_dim, map_elements, self.map_heads, counter = sizes
+    def __init__(self, sizes: tuple, device: torch.device | None, base: int | None = None):
+        """Allocated on `device` (None: null pointers), or at `base`, an address with layout(sizes)[0]
+        bytes the caller allocated (KeptLaunch: past its output's rows)."""
+        self.map_heads = sizes[3]
         self.tensors = []
-        self.partial_o = self.partial_lse = self.counter = self.mask_map = 0
-        if device is None:  # unallocated: null pointers
-            return
-        if partials:
-            workspace = torch.empty(partials * (head_dim + 1), dtype=torch.float32, device=device)
-            self.tensors.append(workspace)
-            self.partial_o = workspace.data_ptr()
-            self.partial_lse = self.partial_o + partials * head_dim * 4
-        if counter:  # zeroed in C, on the launch's stream
-            self.tensors.append(torch.empty(1, dtype=torch.int32, device=device))
-            self.counter = self.tensors[-1].data_ptr()
-        if map_elements:
-            self.tensors.append(torch.empty(map_elements, dtype=torch.int32, device=device))
-            self.mask_map = self.tensors[-1].data_ptr()
+        nbytes, offsets = self.layout(sizes)
+        if base is None and device is not None and nbytes:
+            self.tensors.append(torch.empty(nbytes, dtype=torch.uint8, device=device))
+            base = self.tensors[0].data_ptr()
+        self.partial_o, self.partial_lse, self.counter, self.mask_map = (
+            0 if base is None or at is None else base + at for at in offsets)
+
+    @staticmethod
+    def layout(sizes: tuple) -> tuple:
+        """(bytes, the offsets of partial_o, partial_lse, counter, mask_map: None where not needed),
+        each 16-byte aligned."""
+        partials, head_dim, map_elements, _, counter = sizes
+        offsets, end = [], 0
+        for needed, nbytes in ((partials, partials * head_dim * 4), (partials, partials * 4), (counter, 4),
+                               (map_elements, map_elements * 4)):
+            offsets.append(end if needed else None)
+            end += _aligned(nbytes) if needed else 0
+        return end, tuple(offsets)
 
     @classmethod
     def unallocated(cls, sizes: tuple) -> "_Scratch":
@@ -177,21 +189,35 @@ class KeptLaunch:
     layout: shapes, strides, dtypes and device, which the caller vouches for (the transformers
     integration keys its warm calls by them). A call allocates what run() allocates and writes the
     pointers and the captures' fields into a copy of the params; every other field is the first
-    call's. Its whole host cost is a few allocations and one pack (notes/transformers-host.md)."""
+    call's. Its whole host cost is one allocation and one pack (notes/transformers-host.md): what
+    run() allocates besides the output (_Scratch) rides in rows past the output's, so a decode
+    call that splits its keys pays one allocator call, not two."""
 
-    __slots__ = ("kernel", "params", "out_shape", "dtype", "device", "sizes", "num_captures")
+    __slots__ = ("kernel", "params", "out_shape", "dtype", "device", "sizes", "num_captures", "alloc_shape",
+                 "out_bytes")
 
     def __init__(self, kernel: VarlenKernel, params: bytes, out_shape: tuple, dtype, device, sizes: tuple,
                  num_captures: int):
         self.kernel, self.params, self.out_shape, self.dtype, self.device = kernel, params, out_shape, dtype, device
         self.sizes, self.num_captures = sizes, num_captures
+        row_bytes = math.prod(out_shape[1:]) * dtype.itemsize
+        self.out_bytes = out_shape[0] * row_bytes
+        scratch_bytes = _Scratch.layout(sizes)[0]
+        # out's first dimension grown by the rows the scratch takes (16-byte aligned after out's)
+        extra = -(-scratch_bytes // row_bytes) if scratch_bytes and row_bytes % 16 == 0 else 0
+        self.alloc_shape = (out_shape[0] + extra,) + tuple(out_shape[1:]) if extra else None
 
     def run(self, q, k, v, cu_seq_q, cu_seq_k, seqused_k, captures=()) -> torch.Tensor:
         """The output (out_shape) of the kept launch on these tensors (q, k, v of the kept layout)."""
         if len(captures) != self.num_captures:
             raise ValueError(f"this launch takes {self.num_captures} captured tensors, got {len(captures)}")
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-        scratch = _Scratch(self.sizes, self.device)
+        if self.alloc_shape is None:
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+            scratch = _Scratch(self.sizes, self.device)
+        else:  # one allocation: out, then the scratch; out keeps it alive, as long as the output lives
+            whole = torch.empty(self.alloc_shape, dtype=self.dtype, device=self.device)
+            out = whole[:self.out_shape[0]]
+            scratch = _Scratch(self.sizes, None, whole.data_ptr() + self.out_bytes)
         params = bytearray(self.params)
         _POINTERS.pack_into(params, 0, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0, scratch.partial_o,
                             scratch.partial_lse, cu_seq_q.data_ptr(), 0 if cu_seq_k is None else cu_seq_k.data_ptr(),
