@@ -9,7 +9,8 @@
 # kernels are compiled here on first use. SEED_PREWARM=1 builds that seed here first (prewarm of the
 # two manifests with every core into /tmp/jitattn-seed: cheaper than carrying a pack) and then runs
 # strict the same way, which also proves the manifests cover every call the tests make.
-# TESTS=0 skips the GPU tests (a benchmark-only call on a warm machine). --profile adds the host
+# TESTS=0 skips the GPU tests (a benchmark-only call on a warm machine); SHARDS=1 runs them in one
+# pytest process (default 4 processes sharing the GPU, logs in $OUT/pytest.N.log). --profile adds the host
 # breakdown, per-kernel times and the split sweep; NCU=1 also an ncu summary of the kernels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +43,21 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 status=0
-if [ "${TESTS:-1}" = 1 ]; then
+if [ "${TESTS:-1}" = 1 ] && [ "${SHARDS:-4}" -gt 1 ]; then
+  # SHARDS (default 4) pytest processes share the GPU, each every SHARDS-th test: the GPU suite is
+  # host-bound (references, checks), and one process took 5+ minutes where four take under two.
+  python3 -m pytest --co -q -p no:cacheprovider -m gpu tests "$@" 2>/dev/null | grep "::" > "$OUT/test_ids"
+  echo "$(wc -l < "$OUT/test_ids") GPU tests in ${SHARDS:-4} shards"
+  for s in $(seq 0 $((${SHARDS:-4} - 1))); do
+    awk -v s="$s" -v n="${SHARDS:-4}" 'NR % n == s' "$OUT/test_ids" > "$OUT/test_ids.$s"
+    mapfile -t ids < "$OUT/test_ids.$s"  # ids hold spaces and brackets: one argument each, never globbed
+    python3 -m pytest -q -p no:cacheprovider "${ids[@]}" > "$OUT/pytest.$s.log" 2>&1 &
+  done
+  status=0
+  for job in $(jobs -p); do wait "$job" || status=1; done
+  for s in $(seq 0 $((${SHARDS:-4} - 1))); do tail -1 "$OUT/pytest.$s.log"; done
+  grep -h "^FAILED\|^ERROR" "$OUT"/pytest.*.log | head -30
+elif [ "${TESTS:-1}" = 1 ]; then
   python3 -m pytest -q -m gpu tests "$@" 2>&1 | tee "$OUT/pytest.log" | tail -15
   status=${PIPESTATUS[0]}
 fi
@@ -60,7 +75,8 @@ fi
 # BENCH: a comma list of decode (default), varlen, backward, host, transformers, or all, or 0;
 # BENCH_ARGS go to the decode and varlen benchmarks (e.g. --quick).
 #   host: host time per tiny decode call beside SDPA, the first call in a new process, and a
-#     batch-1 transformers decode layer call's host time by part (tools/decode_host.py)
+#     batch-1 transformers decode layer call's host time by part (tools/decode_host.py), and what the
+#     varlen forward and backward cost the host to enqueue, GPU idle and busy (tools/host_enqueue.py)
 #   backward: the varlen backward rows (the issue's shapes, peers, deterministic, skewed)
 #   transformers: tokens/s of a generation and a training step beside sdpa
 #   encoder: tools/profile_encoder.py at head dims 32 and 64 (wall, host and device totals, top kernels
@@ -92,6 +108,7 @@ if wants host; then
   python3 -m compileall -q jitattn >/dev/null  # .pyc, as an installed package has them
   python3 tools/first_call.py --runs 3 --modes decode,breakdown,varlen 2>&1 | tee "$OUT/first_call.log"
   python3 tools/decode_host.py 2>&1 | tee "$OUT/decode_host.log"  # a batch-1 transformers layer call's host time
+  python3 tools/host_enqueue.py 2>&1 | tee "$OUT/host_enqueue.log"  # the varlen backward's host enqueue, by part
 fi
 wants backward && python3 tools/bench_varlen.py --quick --parts backward --bwd-variants mma det peers skewed 2>&1 \
   | tee "$OUT/bench_backward.log"
