@@ -5,10 +5,11 @@ the attention call's host time against sdpa's (notes/transformers-host.md). This
 host, the integration's warm call (jitattn/integrations/transformers.py `attention_forward` after
 the first call of its shape) and its parts: the signature, the warm lookup, the kept launch
 (jitattn/varlen/launch.py KeptLaunch.run: one allocation, the output's rows and past them the split
-partials' (_Scratch), packing the params, the C entry point's launches), beside transformers' `sdpa_attention_forward`
-and `F.scaled_dot_product_attention` alone. Each: wall time per call of a loop of 4000 calls
-(one sync at its end: tools/bench_util.py host_us_per_call), median of interleaved rounds.
-"C launch" is kept.run less its allocations and packing.
+partials' (_Scratch), packing the params, the C entry point's launches), beside transformers'
+`sdpa_attention_forward` and `F.scaled_dot_product_attention` alone. Each: wall time per call of a
+loop of 4000 calls (one sync at its end: tools/bench_util.py host_us_per_call), median of
+interleaved rounds. "C launch" is kept.run less its allocation and packing; "(out alone)" and
+"(scratch alone)" are the two allocations a kept launch made before they were one.
 
     PYTHONPATH=. python3 tools/decode_host.py [--rounds 5] [--keys 288]
 """
@@ -63,6 +64,7 @@ def main() -> None:
             "      allocation (out + scratch rows)": lambda: torch.empty(
                 kept.alloc_shape or kept.out_shape, dtype=kept.dtype, device=kept.device)[:kept.out_shape[0]],
             "      params packing": lambda: launch._POINTERS.pack_into(bytearray(kept.params), 0, *([0] * 14)),
+            "      (out alone)": lambda: torch.empty(kept.out_shape, dtype=kept.dtype, device=kept.device),
             "      (scratch alone, as a cold call allocates it)": lambda: launch._Scratch(kept.sizes, kept.device),
             "  knobs": lambda: jt.varlen_forward().knobs(),
         }
