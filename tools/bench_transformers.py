@@ -17,7 +17,9 @@ Each case builds every implementation's model (same weights), then times them in
 for generation the fastest of --generate-repeats: a host-bound loop is only slowed by the host's other
 work; Python's collector off while timed) and keeps each one's
 median rate; the ratio column is the median of the rounds' own ratios (each round's jitattn over
-that round's sdpa, timed seconds apart: the host's drift cancels), with their min-max.
+that round's sdpa, timed seconds apart: the host's drift cancels), with their min-max. Generation
+rows add a "cpu ratio": the same ratio of tokens per CPU second of the timing thread (the host
+work of a host-bound loop, without the time a neighbour's process held its core).
 Then SDPA's flash path (sdpa_kernel(FLASH_ATTENTION)) with torch's own kernels beside the same
 with jitattn active as torch's flash provider (jitattn.activate()), and SDPA's default choice, for
 the cases SDPA can send to flash (no mask): generate b1 and a dense train step.
@@ -80,22 +82,31 @@ def _build(auto, config, impl, state):
 
 def timed(fn, repeats: int, best: bool = False) -> float:
     """Seconds per fn() (synchronized): the median of `repeats` runs after a warm-up, or with `best`
-    the fastest. Python's collector stays off while timed (collected first): a collection landing
-    in one implementation's run and not the other's is noise, not either one's cost."""
+    the fastest."""
+    return timed_both(fn, repeats, best)[0]
+
+
+def timed_both(fn, repeats: int, best: bool = False) -> tuple[float, float]:
+    """(wall seconds, this thread's CPU seconds) of the median run of `repeats` after a warm-up, or
+    with `best` of the fastest. Python's collector stays off while timed (collected first): a
+    collection landing in one implementation's run and not the other's is noise, not either one's
+    cost. The CPU time leaves out the time the thread waited off-CPU (another process on its core):
+    for a host-bound loop, the work itself."""
     fn()
     torch.cuda.synchronize()
     gc.collect()
     gc.disable()
-    times = []
+    runs = []
     try:
         for _ in range(repeats):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             fn()
             torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+            runs.append((time.perf_counter() - start, time.thread_time() - start_cpu))
     finally:
         gc.enable()
-    return min(times) if best else statistics.median(times)
+    runs.sort()
+    return runs[0] if best else runs[len(runs) // 2]
 
 
 def inputs(g: torch.Generator):
@@ -127,13 +138,15 @@ def inputs(g: torch.Generator):
 
 
 def generate_rate(m, batch, new, repeats: int = GENERATE_REPEATS):
-    """Tokens/s of the fastest of `repeats` generations: a host-bound loop is only ever slowed by the
-    host's other work (a neighbour's process, a clock step), so the fastest run is its own cost."""
+    """(tokens/s, tokens per CPU second of this thread) of the fastest of `repeats` generations: a
+    host-bound loop is only ever slowed by the host's other work (a neighbour's process, a clock
+    step), so the fastest run is its own cost; the CPU rate leaves the time off-CPU out too."""
     m.eval()
     with torch.no_grad():
-        seconds = timed(lambda: m.generate(**batch, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                           pad_token_id=0), repeats, best=True)
-    return batch["input_ids"].shape[0] * new / seconds
+        seconds, cpu = timed_both(lambda: m.generate(**batch, max_new_tokens=new, min_new_tokens=new,
+                                                     do_sample=False, pad_token_id=0), repeats, best=True)
+    tokens = batch["input_ids"].shape[0] * new
+    return tokens / seconds, tokens / cpu
 
 
 def train_rate(m, batch, tokens):
@@ -161,7 +174,8 @@ def padding(impl: str):
 
 
 def compare(make, case, impls=("sdpa", "jitattn"), rounds: int = 3):
-    """{impl: rate} for one case, and {impl: [its rate over sdpa's, per round]}: each implementation
+    """{impl: rate} for one case, {impl: [its rate over sdpa's, per round]} and the same of the
+    rates per CPU second where the case gives them (else empty lists): each implementation
     on the same weights, all built first, then timed in interleaved rounds (sdpa, jitattn, sdpa,
     ...) and the median kept, so a drift of the machine's clocks or host load reaches every
     implementation alike."""
@@ -170,14 +184,20 @@ def compare(make, case, impls=("sdpa", "jitattn"), rounds: int = 3):
         models[impl] = make(impl.partition(":")[0], state)
         state = state or models[impl].state_dict()
     rates = {impl: [] for impl in impls}
+    cpu_rates = {impl: [] for impl in impls}  # cases that also return a rate per CPU second
     for _ in range(rounds):
         for impl in impls:
             with padding(impl):
-                rates[impl].append(case(models[impl]))
+                rate = case(models[impl])
+            if isinstance(rate, tuple):
+                rate, cpu = rate
+                cpu_rates[impl].append(cpu)
+            rates[impl].append(rate)
     del models
     torch.cuda.empty_cache()
     ratios = {impl: sorted(r / base for r, base in zip(rates[impl], rates["sdpa"])) for impl in impls}
-    return {impl: statistics.median(r) for impl, r in rates.items()}, ratios
+    cpu_ratios = {impl: sorted(r / base for r, base in zip(cpu_rates[impl], cpu_rates["sdpa"])) for impl in impls}
+    return {impl: statistics.median(r) for impl, r in rates.items()}, ratios, cpu_ratios
 
 
 def flash_provider_rows(data, layers, new):
@@ -194,7 +214,7 @@ def flash_provider_rows(data, layers, new):
 
     rows = {}
     for name, make, case in (
-        ("generate b1 tok/s", lambda s: llama("sdpa", layers, s), lambda m: generate_rate(m, data["b1"], new)),
+        ("generate b1 tok/s", lambda s: llama("sdpa", layers, s), lambda m: generate_rate(m, data["b1"], new)[0]),
         ("train dense tok/s", lambda s: llama("sdpa", layers, s), lambda m: train_rate(m, data["dense"], BATCH * SEQ)),
     ):
         state, rates = None, {}
@@ -418,11 +438,13 @@ def main():
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"bf16; Llama hidden 2048, 16/4 heads of 128; prompts {PROMPT}, {args.new} new tokens")
     extra = "".join(f" {how:>10s} {'ratio':>7s}" for how in args.padding)
-    print(f"{'case':42s} {'sdpa':>10s} {'jitattn':>10s} {'ratio':>7s} {'rounds min-max':>15s}{extra}")
-    for name, (rates, ratios) in table:
-        spread = ratios["jitattn"]
+    print(f"{'case':42s} {'sdpa':>10s} {'jitattn':>10s} {'ratio':>7s} {'rounds min-max':>15s} "
+          f"{'cpu ratio':>9s} {'min-max':>11s}{extra}")
+    for name, (rates, ratios, cpu_ratios) in table:
+        spread, cpu = ratios["jitattn"], cpu_ratios["jitattn"]
         line = (f"{name:42s} {rates['sdpa']:10.0f} {rates['jitattn']:10.0f} {statistics.median(spread):6.2f}x "
-                f"{spread[0]:7.2f}-{spread[-1]:.2f}x")
+                f"{spread[0]:7.2f}-{spread[-1]:.2f}x "
+                + (f"{statistics.median(cpu):8.3f}x {cpu[0]:5.3f}-{cpu[-1]:.3f}" if cpu else f"{'':9s} {'':11s}"))
         for mode in modes:
             if mode in rates:
                 line += f" {rates[mode]:10.0f} {statistics.median(ratios[mode]):6.2f}x"
