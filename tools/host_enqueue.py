@@ -5,7 +5,8 @@ with the GPU sleeping ahead of it (the forward's is 60-170 us, a warm decode lay
 with the GPU idle). This times, per call, the wall time of:
 
 - baselines: one small kernel launch (`add_`), a 4-byte cudaMemsetAsync (ctypes, as the persistent
-  kernels' work counter is zeroed), torch.zeros(1), a 545 MB torch.empty (the backward's workspace);
+  kernels' work counter is zeroed), torch.zeros(1), a 545 MB torch.empty (the backward's workspace),
+  one cuTensorMapEncodeTiled of the backward's 5-D key map (ctypes; the binding encodes six);
 - jitattn: the forward without grad, backward_launch.backward (Python planning + the binding),
   and the binding's `run` op alone with the same arguments, at bf16 8 x 4096 x 32 heads x D128
   and at 1 x 256 (does the cost follow the problem's size?).
@@ -64,6 +65,33 @@ def cudart():
     return ctypes.CDLL(name) if name else None
 
 
+def tensor_map_encode(buffer: torch.Tensor):
+    """One cuTensorMapEncodeTiled of the backward's 5-D K map shape (64 x T_k x D/64 x 16 x H_kv,
+    128-byte swizzle) through the driver, or None where libcuda is not found: the backward's
+    binding encodes six maps a call, the forward three or four."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    encode = cuda.cuTensorMapEncodeTiled
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    encode.argtypes = [ctypes.c_void_p, ctypes.c_int, u32, ctypes.c_void_p, ctypes.POINTER(u64), ctypes.POINTER(u64),
+                       ctypes.POINTER(u32), ctypes.POINTER(u32), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    tokens, heads = buffer.shape[0], buffer.shape[1]
+    dims = (u64 * 5)(64, tokens, 2, 16, heads)
+    strides = (u64 * 4)(heads * 128 * 2, 128, 8 * heads * 128 * 2, 128 * 2)
+    box = (u32 * 5)(64, 8, 2, 16, 1)
+    unit = (u32 * 5)(1, 1, 1, 1, 1)
+    descriptor = ctypes.create_string_buffer(128 + 64)
+    at = (ctypes.addressof(descriptor) + 63) // 64 * 64  # CUtensorMap is 64-byte aligned
+
+    def run():  # CU_TENSOR_MAP_DATA_TYPE_UINT16 = 1, SWIZZLE_128B = 3, L2_PROMOTION_L2_256B = 3
+        status = encode(at, 1, 5, buffer.data_ptr(), dims, strides, box, unit, 0, 3, 3, 0)
+        if status != 0:
+            raise RuntimeError(f"cuTensorMapEncodeTiled returned {status}")
+    return run
+
+
 def backward_parts(batch: int, seqlen: int, heads: int = 32, head_dim: int = 128) -> dict:
     """{name: fn} of one shape: the forward, backward_launch.backward, and its binding's run op alone."""
     q, k, v = (torch.randn(batch * seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -109,6 +137,10 @@ def main() -> None:
         rt.cudaMemsetAsync.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p]
         parts["cudaMemsetAsync 4 bytes"] = lambda: rt.cudaMemsetAsync(
             counter.data_ptr(), 0, 4, torch.cuda.current_stream().cuda_stream)
+    keys = torch.empty(32768, 32, 128, device="cuda", dtype=torch.bfloat16)
+    encode = tensor_map_encode(keys)
+    if encode is not None:
+        parts["cuTensorMapEncodeTiled (5-D, ctypes)"] = encode
     for batch, seqlen in ((8, 4096), (1, 256)):
         parts.update({f"{name} ({batch} x {seqlen})": fn for name, fn in backward_parts(batch, seqlen).items()})
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; host us per call, median of {args.reps}")
