@@ -84,6 +84,23 @@ def host_us_per_call(fn, calls: int = 10000) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def host_enqueue_us(fn, reps: int = 10, busy: bool = True) -> float:
+    """Median wall time of one fn() in microseconds, each call alone: with `busy` while the GPU
+    sleeps ~10 ms ahead of it (what enqueueing it costs the host, which never waits on the GPU),
+    else after a synchronize (the GPU idle)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        if busy:
+            torch.cuda._sleep(20_000_000)
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def host_us_rounds(fns: dict, calls: int = 10000, rounds: int = 5) -> dict:
     """host_us_per_call for each of `fns` (name -> callable), `rounds` times, interleaved so every
     function meets the same background load on a shared host; name -> sorted per-round us."""

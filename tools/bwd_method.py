@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,22 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jitattn  # noqa: E402
-from bench_util import sets_needed, time_us  # noqa: E402
+from bench_util import host_enqueue_us, sets_needed, time_us  # noqa: E402
 from bench_variants import shape_arguments  # noqa: E402
-
-
-def host_enqueue_us(fn, reps: int = 10) -> float:
-    """Median wall time of fn() with the GPU busy sleeping (~10 ms) ahead of it: its host cost alone."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        torch.cuda._sleep(20_000_000)
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def profile_steps(steps: dict, calls: int = 5, top: int = 12) -> None:

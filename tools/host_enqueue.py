@@ -23,33 +23,19 @@ import ctypes
 import ctypes.util
 import glob
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jitattn  # noqa: E402
 from jitattn import checks as check  # noqa: E402
 from jitattn.jit.loader import get_module  # noqa: E402
 from jitattn.varlen import backward_launch  # noqa: E402
 from jitattn.varlen.spec import VarlenBackwardSpec, mask_map_flag, mask_map_layout  # noqa: E402
-
-
-def host_us(fn, reps: int, busy: bool) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        if busy:
-            torch.cuda._sleep(20_000_000)
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(times)
+from bench_util import host_enqueue_us  # noqa: E402
 
 
 def cudart():
@@ -146,7 +132,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; host us per call, median of {args.reps}")
     print(f"{'call':58s} {'GPU idle':>9s} {'GPU busy':>9s}")
     for name, fn in parts.items():
-        idle, busy = host_us(fn, args.reps, False), host_us(fn, args.reps, True)
+        idle, busy = host_enqueue_us(fn, args.reps, busy=False), host_enqueue_us(fn, args.reps)
         print(f"{name:58s} {idle:9.1f} {busy:9.1f}")
 
 
