@@ -87,7 +87,7 @@ fi
 #     PYTORCH_DIR, torch's own attention tests with jitattn active). It may compile what the manifests
 #     lack, so it runs with the JIT on (into the writable cache).
 #   variants: tools/bench_variants.py (variants vs FlexAttention, masks vs windows, the soft cap's cost),
-#     then tools/bwd_method.py (the backward column taken apart)
+#     then tools/bwd_method.py (the backward column taken apart, with torch.profiler per step)
 #   sweep: tools/bench_sweep.py --quick (forward / backward TFLOP/s against sequence length, decode TB/s
 #     against kv length, beside the peers) -> $OUT/sweep.json, which tools/plot_benchmarks.py draws
 #   persistent: the forward's other schedule at D64 / D128 / D256 (a CTA per row block where calls
@@ -130,5 +130,5 @@ wants sweep && python3 tools/bench_sweep.py --quick --json "$OUT/sweep.json" 2>&
 wants variants && JITATTN_DISABLE_JIT=0 python3 tools/bench_variants.py ${VARIANTS_ARGS:-} 2>&1 \
   | tee "$OUT/bench_variants.log"
 # What the variants table's backward column holds (the kernels alone, the grad path's host enqueue).
-wants variants && JITATTN_DISABLE_JIT=0 python3 tools/bwd_method.py 2>&1 | tee "$OUT/bwd_method.log"
+wants variants && JITATTN_DISABLE_JIT=0 python3 tools/bwd_method.py --profile 2>&1 | tee "$OUT/bwd_method.log"
 exit $status
