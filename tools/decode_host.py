@@ -3,7 +3,8 @@
 Batch-1 generation is host-bound: both backends run the same model code, so its tokens/s ratio is
 the attention call's host time against sdpa's (notes/transformers-host.md). This times, on the GPU
 host, the integration's warm call (jitattn/integrations/transformers.py `attention_forward` after
-the first call of its shape) and its parts: the signature, the warm lookup, the kept launch
+the first call of its shape), a decode step's first layer (a cache one key longer: re-planned from
+the last step's call, `_next_length`), and the warm call's parts: the signature, the warm lookup, the kept launch
 (jitattn/varlen/launch.py KeptLaunch.run: one allocation, the output's rows and past them the split
 partials' (_Scratch), packing the params, the C entry point's launches), beside transformers'
 `sdpa_attention_forward` and `F.scaled_dot_product_attention` alone. Each: wall time per call of a
@@ -52,8 +53,20 @@ def main() -> None:
         warm = jt._WARM[signature]
         kept = warm.kept[0]
         cu_q, cu_k, used = warm.starts
+        # A decode step's first layer: a cache one key longer than the last step's, in a new tensor
+        # (DynamicCache), so the call is not warm and re-plans the family's last call for its length
+        # (`_next_length`). 128 lengths in turn: more than the warm memo holds, so none is a hit.
+        steps = [(torch.randn(1, 4, args.keys + i, 128, device="cuda", dtype=torch.bfloat16),) * 2
+                 for i in range(2 * jt.WARM_CALLS)]
+        step = iter(range(1 << 62))
+
+        def first_layer():
+            key, value = steps[next(step) % len(steps)]
+            jt.attention_forward(module, q, key, value, None, scaling=scale)
+
         parts = {
             "attention_forward (warm)": lambda: jt.attention_forward(module, q, k, v, None, scaling=scale),
+            "attention_forward (a step's first layer)": first_layer,
             "sdpa_attention_forward": lambda: sdpa_attention_forward(module, q, k, v, None, scaling=scale),
             "F.scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(q, k, v, scale=scale,
                                                                                      enable_gqa=True),
