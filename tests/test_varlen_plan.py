@@ -120,6 +120,19 @@ def test_max_k_slack_never_changes_a_sequences_split(launches):
             assert math.ceil(tiles / plan.MIN_SPLIT_TILES) <= max(1, math.ceil(max_k / (tile * plan.MIN_SPLIT_TILES)))
 
 
+def test_for_max_k_keeps_the_launch_while_one_more_key_changes_nothing(launches):
+    """A decode step's first layer re-plans the last step's launch for one key more
+    (transformers' _next_length): the same launch object where the split count and the mask map
+    flag stay, else a launch that differs in the split fields alone and plans as the call would."""
+    planned = varlen.plan(varlen_call(**batch([1], [300])))  # 5 splits of 64 keys (ceil(300 / 64))
+    assert planned.splits == 5
+    assert varlen.for_max_k(planned, 301) is planned  # still 5
+    longer = varlen.for_max_k(planned, 321)  # 11 tiles of 32: 6 splits
+    direct = varlen.plan(varlen_call(**batch([1], [321])))
+    assert longer is not planned and longer.splits == direct.splits == 6
+    assert longer._replace(splits=0) == direct._replace(splits=0)
+
+
 def test_prefill_batches_take_the_prefill_shape_and_never_split(launches):
     spec, run = launch(launches, **batch([4096] * 8, [4096] * 8, h_q=16, h_kv=16), window_size=(-1, 0))
     assert spec == VarlenSpec(128, "bfloat16", paged=False, decode=False)

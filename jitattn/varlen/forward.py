@@ -133,7 +133,10 @@ def for_max_k(launch: Launch, max_k: int) -> Launch | None:
     if (rule.short_rows and max_k <= SHORT_KEYS) != rule.short:
         return None
     splits, min_tiles = _splits(rule, launch.splits, max_k)
-    return launch._replace(splits=splits, min_tiles=min_tiles, build_mask_map=_builds_map(rule, max_k))
+    build_mask_map = _builds_map(rule, max_k)
+    if (splits, min_tiles, build_mask_map) == (launch.splits, launch.min_tiles, launch.build_mask_map):
+        return launch  # a decode step's usual case: one key more, the same plan (no _replace per step)
+    return launch._replace(splits=splits, min_tiles=min_tiles, build_mask_map=build_mask_map)
 
 
 def _run(launch: Launch, query, key, value, cu_seq_q, cu_seq_k, seqused_k, block_table, out, bad_page,
