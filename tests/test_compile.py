@@ -474,8 +474,9 @@ def test_event_floor_probe_builds(tmp_path):
 def test_each_varlen_backward_rung_compiles_and_registers_its_op(tmp_path, monkeypatch):
     """The backward family's rungs: mma.sync at both warp layouts (warps_q 1: all of dK / dV per
     warp; 2: split across a pair, head_dim > 128) and the Hopper wgmma one (and its persistent
-producer variant, the largest template path): real nvcc builds
-    through the pipeline (sm_90; sm_90a for wgmma), each loaded with its run op."""
+    producer variant, the largest template path, and the 80-row tile with dQ transposed, off by
+    default: spec.TILE80_HEAD_DIMS): real nvcc builds through the pipeline (sm_90; sm_90a for
+    wgmma), each loaded with its run op."""
     import torch
 
     from jitattn.varlen.spec import VarlenBackwardSpec
@@ -483,7 +484,8 @@ producer variant, the largest template path): real nvcc builds
     use_cache(monkeypatch, tmp_path / "cache")  # the module memo is empty (_fresh_memos)
     for spec in (VarlenBackwardSpec(head_dim=128, dtype="bfloat16"), VarlenBackwardSpec(head_dim=208, dtype="float16"),
                  VarlenBackwardSpec(head_dim=64, dtype="float16", wgmma=True),
-                 VarlenBackwardSpec(head_dim=128, dtype="bfloat16", wgmma=True, producer=True, persistent=True)):
+                 VarlenBackwardSpec(head_dim=128, dtype="bfloat16", wgmma=True, producer=True, persistent=True),
+                 VarlenBackwardSpec(head_dim=128, dtype="bfloat16", wgmma=True, producer=True, block_m=80)):
         module, was_compiled = loader.build_spec(spec)
         assert was_compiled and cache.why_invalid(module.entry.path) is None
         assert module.entry.path.parent.name == ("sm90a" if spec.wgmma else "sm90")

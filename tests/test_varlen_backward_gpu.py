@@ -13,7 +13,8 @@ with a `rung` parameter, and half the random configurations at those head dims, 
 mma.sync rung too (forced, as JITATTN_WGMMA=0 would). JITATTN_TEST_BACKWARD_PRODUCER=1 / 0
 runs the wgmma rung with / without its producer warpgroup; JITATTN_TEST_BACKWARD_PERSISTENT=1 / 0
 its D64 / D128 producer kernels persistent (a CTA per SM) / not; JITATTN_TEST_BACKWARD_DQ_KERNEL=0 the
-D256 producer kernel with dQ inside (not the dq_kernel variant).
+D256 producer kernel with dQ inside (not the dq_kernel variant); JITATTN_TEST_BACKWARD_ROWS80=1 every
+full D128 producer call on the 80-row tile (spec.TILE80_HEAD_DIMS, off by default).
 
 Every gradient is compared relatively (Frobenius, ||g - ref|| / ||ref||) and absolutely (max
 |g - ref| against the largest gradient entry of the case): with one visible key per row the
@@ -86,13 +87,14 @@ def _standins_on_cpu(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def _backward_variant():
+def _backward_variant(monkeypatch):
     """The GPU suite's variant knobs, each a public override of the call rule (override_spec):
     JITATTN_TEST_BACKWARD_PRODUCER=1 (0): every wgmma backward with (without) the producer warpgroup;
     JITATTN_TEST_BACKWARD_PERSISTENT=1: the producer kernels at D64 / D128 persistent (a CTA per SM,
     deterministic mode too), 0: a CTA per key tile; JITATTN_TEST_BACKWARD_DQ_KERNEL=0: D256's dQ in
     the main kernel again; JITATTN_TEST_BACKWARD_CONSUMER_REGS=224 (or 240): the producer kernels
-    at D128 with that register split (VarlenBackwardSpec.consumer_regs; the default is 240 there)."""
+    at D128 with that register split (VarlenBackwardSpec.consumer_regs; the default is 240 there);
+    JITATTN_TEST_BACKWARD_ROWS80=1: full D128 producer calls on the 80-row tile."""
     from jitattn.varlen.plan import override_spec
 
     with contextlib.ExitStack() as stack:
@@ -108,6 +110,10 @@ def _backward_variant():
             stack.enter_context(override_spec("varlen_backward", persistent=False))
         if os.environ.get("JITATTN_TEST_BACKWARD_DQ_KERNEL") == "0":
             stack.enter_context(override_spec("varlen_backward", dq_kernel=False))
+        if os.environ.get("JITATTN_TEST_BACKWARD_ROWS80") == "1":
+            from jitattn.varlen import spec as spec_module
+
+            monkeypatch.setattr(spec_module, "TILE80_HEAD_DIMS", spec_module.TILE80_FITS)
         regs = os.environ.get("JITATTN_TEST_BACKWARD_CONSUMER_REGS")
         if regs is not None:
             stack.enter_context(override_spec("varlen_backward", when={"producer": True, "head_dim": 128},
@@ -482,6 +488,64 @@ def test_deterministic_mode_is_bitwise_reproducible(head_dim, group, window, run
         assert rel_error(y, x) < 1e-2, f"deterministic and default {name} disagree"
     # dK and dV never take atomics: bitwise the same in both modes.
     assert torch.equal(first[1], fast[1]) and torch.equal(first[2], fast[2])
+
+
+# ---------------------------------------------------------------- the 80-row tile (spec.TILE80_HEAD_DIMS)
+@pytest.fixture
+def rows80(monkeypatch):
+    """The 80-row tile on (off by default) and the backward specs the calls looked up, by name
+    (the call memos empty, so each call's kernel is looked up again under the new rule)."""
+    from jitattn.kernel import fresh_memos
+    from jitattn.varlen import backward_launch
+    from jitattn.varlen import spec as spec_module
+
+    monkeypatch.setattr(spec_module, "TILE80_HEAD_DIMS", spec_module.TILE80_FITS)
+    built = []
+    real = backward_launch.get_module
+
+    def recording(spec):
+        built.append(spec.name)
+        return real(spec)
+
+    monkeypatch.setattr(backward_launch, "get_module", recording)
+    with fresh_memos():
+        yield built
+
+
+@cuda_only
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+def test_full_d128_calls_on_the_80_row_tile_match_float64(rows80, group, dtype):
+    """FlashAttention-3's non-causal D128 tile (80 query rows a step, dQ = (K^T dS^T)^T): lengths on
+    and off its 80-row steps, an empty sequence, seqused_k, GQA; a causal call keeps 64 rows."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the 80-row tile is the sm_90 producer kernel's")
+    b = make_batch([80, 1, 79, 0, 81, 160, 333, 1100], [80, 7, 79, 5, 81, 160, 400, 1100], 2 * group, 2, 128, dtype,
+                   seed=80 + group, use_seqused=True, slack=[0, 3, 0, 1, 5, 0, 2, 9])
+    check_case(b, (-1, -1), f"80-row tile, group {group}", with_lse=True)
+    assert rows80 and all(name.endswith("_n128m80q1") for name in rows80), rows80
+    rows80.clear()
+    check_case(b, (-1, 0), "causal beside the 80-row tile")
+    assert rows80 and not any(name.endswith("_n128m80q1") for name in rows80), rows80
+
+
+@cuda_only
+def test_the_80_row_tile_is_bitwise_reproducible_in_deterministic_mode(rows80):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the 80-row tile is the sm_90 producer kernel's")
+    b = make_batch([1000, 37, 513, 0, 1400], [1000, 60, 513, 4, 1400], 8, 2, 128, BF16, seed=81)
+    grad_out = grad_out_for(b, 9)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first = run_backward(b, (-1, -1), grad_out)
+        second = run_backward(b, (-1, -1), grad_out)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    for name, x, y in zip(("dq", "dk", "dv"), first, second):
+        assert torch.equal(x, y), f"80-row tile, deterministic mode: {name} differs between two runs"
+    check_grads(b, first, oracle(b, (-1, -1), grad_out), "80-row tile, deterministic")
+    assert all(name.endswith("_n128m80q1") for name in rows80), rows80
 
 
 # ---------------------------------------------------------------- the op: opcheck, torch.compile, graphs

@@ -99,6 +99,46 @@ def test_backward_persistent_is_a_variant_of_the_producer_kernel_the_default_at_
     assert [v["persistent"] for v in VarlenBackwardSpec.prewarm_variants({**fields, "persistent": False}, ("9.0a",))] == [False]
 
 
+@pytest.fixture
+def rows80(monkeypatch):
+    """The 80-row tile turned on where the template builds it (off by default: spec.TILE80_HEAD_DIMS)."""
+    from jitattn.varlen import spec as spec_module
+
+    monkeypatch.setattr(spec_module, "TILE80_HEAD_DIMS", spec_module.TILE80_FITS)
+
+
+def test_prewarm_builds_the_80_row_tile_where_the_plan_takes_it(rows80):
+    """The persistent kernel, the 80-row one for full calls, a CTA per key tile for deterministic
+    calls with a window."""
+    built = [(v["persistent"], v["block_m"]) for v in VarlenBackwardSpec.prewarm_variants(
+        {"head_dim": 128, "dtype": "bfloat16"}, ("9.0a",))]
+    assert built == [(True, 64), (False, 80), (False, 64)]
+
+
+def _causal_mask_text() -> str:
+    from jitattn.variants import gallery
+    from jitattn.variants.trace import trace_mask_mod
+
+    return trace_mask_mod(gallery.causal).key_text
+
+
+def test_backward_full_calls_at_128_take_80_query_rows_a_step_and_nothing_else_does(rows80):
+    """FlashAttention-3's non-causal hdim-128 tile: 80 query rows a step, dQ transposed, a CTA per
+    key tile; a call with a window, a mask_mod, a score_mod or a soft cap keeps 64 rows."""
+    plan = lambda head_dim=128, soft_cap=False, deterministic=False, full=True, **chosen: VarlenBackwardSpec.for_call(
+        head_dim, "bfloat16", soft_cap, deterministic, True, True, full, **chosen)
+    spec = plan()
+    assert (spec.block_m, spec.persistent) == (80, False) and spec.name.endswith("_n128m80q1")
+    assert plan(deterministic=True).block_m == 80
+    for other in (plan(full=False), plan(64), plan(256), plan(soft_cap=True), plan(mask_mod=_causal_mask_text())):
+        assert other.block_m == 64, other.name
+    assert "constexpr int BLOCK_M = 80;" in render.render(spec, "x")["kernels.cu"]
+    for bad in (dict(head_dim=64), dict(persistent=True), dict(soft_cap=True)):
+        with pytest.raises(ValueError, match="block_m=80"):
+            VarlenBackwardSpec(**{"head_dim": 128, "dtype": "bfloat16", "wgmma": True, "producer": True,
+                                  "block_m": 80, **bad})
+
+
 def test_backward_spec_round_trips_through_a_dict():
     spec = VarlenBackwardSpec(96, "bfloat16", block_n=64)
     assert spec.to_dict()["family"] == "varlen_backward"

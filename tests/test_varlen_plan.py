@@ -314,7 +314,8 @@ def test_prewarm_lists_exactly_the_forward_specs_calls_run(launches, monkeypatch
 
 @pytest.mark.parametrize("archs", list(ARCHS), ids=lambda a: ";".join(a))
 def test_prewarm_lists_exactly_the_backward_specs_calls_run(monkeypatch, archs):
-    """The same for the backward (VarlenBackwardSpec.for_call), over deterministic mode too."""
+    """The same for the backward (VarlenBackwardSpec.for_call), over deterministic mode and full
+    and causal calls too."""
     from jitattn.jit.registry import spec_from_dict
     from jitattn.varlen import backward_launch
 
@@ -337,9 +338,11 @@ def test_prewarm_lists_exactly_the_backward_specs_calls_run(monkeypatch, archs):
                     for hopper in ARCHS[archs]:
                         monkeypatch.setattr(backward_launch, "is_hopper", lambda device, hopper=hopper: hopper)
                         for deterministic in (False, True):
-                            q = torch.zeros(3, 2, d, dtype=dtype)
-                            backward_launch.backward(q, None, q, q, q, q, torch.zeros(2, 3), cu, cu, max_q=3, max_k=3,
-                                                     deterministic=deterministic, softcap=30.0 if cap else None)
+                            for window in ((-1, -1), (-1, 0)):  # a full call and a causal one
+                                q = torch.zeros(3, 2, d, dtype=dtype)
+                                backward_launch.backward(q, None, q, q, q, q, torch.zeros(2, 3), cu, cu, max_q=3,
+                                                         max_k=3, deterministic=deterministic, window_size=window,
+                                                         softcap=30.0 if cap else None)
                 assert len(listed) == len(set(listed)) and set(listed) == set(planned), (archs, d, name, cap)
 
 

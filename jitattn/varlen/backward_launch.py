@@ -82,14 +82,15 @@ def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tens
         grad_lse = None
     hopper = is_hopper(query.device)
     # for_call's arguments in its order (head_dim, dtype, soft cap, deterministic, sm_90,
-    # JITATTN_WGMMA there), then the override state
+    # JITATTN_WGMMA there, a full call), then the override state
     # (and the variants' canonical texts)
     variants = (score_mod.key_text if score_mod else "", mask_mod.key_text if mask_mod else "")
+    full = left < 0 and right < 0 and score_mod is None and mask_mod is None and softcap == 0  # for_call's `full`
     facts = (head_dim, query.dtype, softcap > 0, bool(deterministic), hopper, hopper and env.wgmma_enabled(),
-             overrides.state(), variants)
+             full, overrides.state(), variants)
     entry = _kernels.get(facts)
     if entry is None:
-        spec = VarlenBackwardSpec.for_call(head_dim, check.DTYPE_NAMES[query.dtype], *facts[2:6],
+        spec = VarlenBackwardSpec.for_call(head_dim, check.DTYPE_NAMES[query.dtype], *facts[2:7],
                                            score_mod=variants[0], mask_mod=variants[1])
         entry = _kernels[facts] = (get_module(spec).ops.run.default, spec, mask_map_layout(spec))
     run, spec, map_layout = entry

@@ -44,6 +44,14 @@ DQ_KERNEL_HEAD_DIMS: frozenset[int] = frozenset({256})
 # counter) outside deterministic mode, where it measured slower (why: notes/backward-h200.md,
 # "PERSISTENT_HEAD_DIMS").
 PERSISTENT_HEAD_DIMS: frozenset[int] = frozenset({128})
+# Backward head dims whose producer kernel takes 80 query rows a step on full calls (no window,
+# no mask_mod, no soft cap): FlashAttention-3's non-causal hdim-128 tile, dQ computed transposed
+# (dQ^T = K^T dS^T: wgmma's M is 64, so 80 rows cannot be dQ's M), a CTA per key tile (the
+# persistent kernel's staging does not fit beside it). Empty: not yet run on a GPU, so no call
+# takes it; the spec module's list, read at plan time, so tests and benchmarks turn it on here
+# (notes/backward-h200.md, fourteenth session). TILE80_FITS: the head dims the template builds it at.
+TILE80_HEAD_DIMS: frozenset[int] = frozenset()
+TILE80_FITS: frozenset[int] = frozenset({128})
 
 
 @functools.lru_cache(maxsize=256)
@@ -442,34 +450,42 @@ class VarlenBackwardSpec(KernelSpec):
 
     @classmethod
     def for_call(cls, head_dim: int, dtype: str, soft_cap: bool, deterministic: bool, hopper: bool,
-                 wgmma_enabled: bool = True, **chosen) -> "VarlenBackwardSpec":
+                 wgmma_enabled: bool = True, full: bool = False, **chosen) -> "VarlenBackwardSpec":
         """The spec a backward call runs: the Hopper rung on sm_90 where it covers the head_dim
         and JITATTN_WGMMA allows it (with the producer, dq_kernel and persistent at their head
         dims, persistent never in deterministic mode), else mma.sync; the soft cap's variant when
-        the forward had one. `chosen` and the overrides as for VarlenSpec.for_call."""
+        the forward had one. `full`: the call has no window, no mask_mod and no soft cap (then
+        80 query rows a step at TILE80_HEAD_DIMS). `chosen` and the overrides as for
+        VarlenSpec.for_call."""
         def choose(fixed: dict) -> "VarlenBackwardSpec":
             wgmma = fixed.get("wgmma", hopper and wgmma_enabled and cls.wgmma_fits(head_dim))
             producer = fixed.get("producer", wgmma and head_dim in PRODUCER_HEAD_DIMS)
             dq_kernel = fixed.get("dq_kernel", producer and head_dim in DQ_KERNEL_HEAD_DIMS)
-            persistent = fixed.get("persistent", producer and head_dim in PERSISTENT_HEAD_DIMS and not deterministic)
+            rows80 = (producer and full and not soft_cap and head_dim in TILE80_HEAD_DIMS and not fixed.get("persistent")
+                      and not fixed.get("dq_kernel") and not fixed.get("score_mod") and not fixed.get("mask_mod"))
+            block_m = fixed.get("block_m", 80 if rows80 else 0)
+            persistent = fixed.get("persistent", producer and head_dim in PERSISTENT_HEAD_DIMS and not deterministic
+                                   and block_m != 80)
             return cls(**{**fixed, "head_dim": head_dim, "dtype": dtype, "soft_cap": soft_cap, "wgmma": wgmma,
-                          "producer": producer, "dq_kernel": dq_kernel, "persistent": persistent})
+                          "producer": producer, "dq_kernel": dq_kernel, "persistent": persistent,
+                          "block_m": block_m})
 
         return _with_overrides(cls, choose(chosen), lambda forced: choose({**forced, **chosen}))
 
     @classmethod
     def prewarm_variants(cls, fields: dict, archs: tuple[str, ...]) -> list[dict]:
         """Every spec a backward call with these fields may run on `archs`: `for_call` over both
-        modes (deterministic or not) and sm_90 or not by `archs`, JITATTN_WGMMA as set now;
-        named fields fix their values."""
+        modes (deterministic or not), full calls or not, and sm_90 or not by `archs`, JITATTN_WGMMA
+        as set now; named fields fix their values."""
         from jitattn.jit import env
 
         base = {k: v for k, v in fields.items() if k not in ("head_dim", "dtype", "soft_cap")}
         wgmma_enabled = env.wgmma_enabled()
         return _unique([_fields_of(cls.for_call(fields.get("head_dim", 0), fields.get("dtype", "float16"),
                                                 fields.get("soft_cap", False), deterministic, hopper, wgmma_enabled,
-                                                **base))
-                        for hopper in _archs_facts(archs) for deterministic in (False, True)])
+                                                full, **base))
+                        for hopper in _archs_facts(archs) for deterministic in (False, True)
+                        for full in (False, True)])
 
     def __post_init__(self):
         self.validate_fields()
@@ -503,7 +519,14 @@ class VarlenBackwardSpec(KernelSpec):
             if getattr(self, name) == 0:
                 object.__setattr__(self, name, value)
         want = self.default_tile(self.head_dim, True)
-        if self.wgmma and (self.block_n, self.block_m, self.warps_q) != want:
+        rows80 = self.wgmma and self.block_m == 80
+        if rows80 and not (self.producer and self.head_dim in TILE80_FITS and not self.persistent
+                           and not self.dq_kernel and not self.soft_cap):
+            raise ValueError(f"varlen_backward block_m=80 is the producer kernel's full-call tile at head_dim "
+                             f"{sorted(TILE80_FITS)}, a CTA per key tile, without a soft cap (got head_dim="
+                             f"{self.head_dim}, producer={self.producer}, persistent={self.persistent}, "
+                             f"soft_cap={self.soft_cap})")
+        if self.wgmma and not rows80 and (self.block_n, self.block_m, self.warps_q) != want:
             raise ValueError(f"varlen_backward wgmma tile at head_dim {self.head_dim} is block_n={want[0]}, "
                              f"block_m={want[1]}, warps_q={want[2]} (got {self.block_n}, {self.block_m}, {self.warps_q})")
         if self.warps_q not in (1, 2):
@@ -511,6 +534,8 @@ class VarlenBackwardSpec(KernelSpec):
         if self.warps_q == 1 and self.head_dim > 128:
             raise ValueError(f"varlen_backward warps_q=1 holds all of dK and dV per warp: head_dim <= 128 "
                              f"(got {self.head_dim}); use warps_q=2")
+        if rows80:
+            return
         if self.block_m not in (64, 128) or self.block_n % 16 or not 32 <= self.block_n <= 2 * self.block_m:
             raise ValueError(f"varlen_backward tile: block_m 64 or 128, block_n a multiple of 16 in "
                              f"[32, 2 * block_m] (got block_n={self.block_n}, block_m={self.block_m})")
@@ -562,7 +587,8 @@ class VarlenBackwardSpec(KernelSpec):
             p_tile = 2 if self.warps_q == 2 else 1
         # two dQ hand-off buffers (the producer's bulk add); at warps_q=2 the compute warps add,
         # through a scratch of 8 rows x head_dim / 4 floats a warp (DQ_SCRATCH)
-        dq = 2 * self.block_m * self.head_dim * 4 if self.producer and self.warps_q == 1 else 0
+        dq_stages = 1 if self.block_m == 80 else 2  # 80 rows: one hand-off buffer fits
+        dq = dq_stages * self.block_m * self.head_dim * 4 if self.producer and self.warps_q == 1 else 0
         if self.wgmma and self.warps_q == 2 and not self.dq_kernel:
             dq = self.warps * 8 * self.head_dim // 4 * 4
         return (2 * kv + 4 * qt + p_tile * ds) * 16 + 4 * self.block_m * 4 + dq + (1024 if self.wgmma else 0)

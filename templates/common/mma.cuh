@@ -26,6 +26,17 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
 
+// Store four 8x8 b16 matrices transposed (sm_90 stmatrix): lane l's r[i] holds row l / 4,
+// columns 2 (l % 4) and + 1 of matrix i (an mma accumulator's fragment layout); lanes 8i to
+// 8i + 7 give the shared addresses of matrix i's stored rows (its columns), 16 bytes each.
+__device__ __forceinline__ void stmatrix_x4_trans(void* row_address, const uint32_t (&r)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(row_address));
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+#endif
+}
+
 template <typename T> struct MmaType;
 template <> struct MmaType<__half> { static constexpr bool kBf16 = false; };
 template <> struct MmaType<__nv_bfloat16> { static constexpr bool kBf16 = true; };

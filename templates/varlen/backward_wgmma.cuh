@@ -192,6 +192,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
   const uint64_t kt_desc = wgmma_desc(k_smem + Tiles::at(0, wg * DQ_N / 8), 1024, GROUP_BYTES);
   const uint64_t ds_desc = wgmma_desc(ds_smem, 1024, DS_CHUNKS * 128);
   const uint64_t dsk_desc = wgmma_desc(ds_smem, 16, DS_CHUNKS * 128);  // DKV_SPLIT: dS^T, P^T K-major
+  const uint64_t dsq_desc = wgmma_desc(ds_smem, 16, 1024);  // DQ_T: dS query-major, the K-major B of dQ^T
 
   const float sl2 = p.scale_log2;
   ITEM_BEGIN(published_item)
@@ -225,6 +226,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     uint32_t* pt32 = ds32 + DS_TILE * 4;  // DKV_SPLIT: P^T
     const uint64_t ds_tile_desc = ds_desc + ds_stage * DS_TILES * DS_TILE;
     const uint64_t dsk_tile_desc = dsk_desc + ds_stage * DS_TILES * DS_TILE;
+    const uint64_t dsq_tile_desc = dsq_desc + ds_stage * DS_TILES * DS_TILE;
     const float* lse2 = stats + stage * STAT_ARRAYS * BLOCK_M;
     const float* delta = lse2 + BLOCK_M;
     const QueryTile tile = query_tile(p, w, m);
@@ -283,7 +285,20 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
       if (i > 0) named_barrier(4 + (wg ^ 1), CONSUMERS);
     }
 {% endif %}
-    {
+    if constexpr (DQ_T) {
+      // dS query-major (QTiles' layout, 8 keys a 16-byte chunk) by stmatrix .trans: the 8 x 8
+      // blocks (queries 8 nt.., keys key0 + 8 h..) of the S^T fragments, stored transposed, four
+      // a call; lane l addresses row l % 8 of block l / 8 (conflict-free: the chunk is swizzled by
+      // the row).
+      uint4* ds_rows = ds_smem + ds_stage * DS_TILES * DS_TILE;
+      const int block = lane / 8, r8 = lane % 8;
+#pragma unroll
+      for (int nt = 0; nt < Q_TILES; nt += 2) {
+        const uint32_t r[4] = {pack2<T>(dp4[nt][0], dp4[nt][1]), pack2<T>(dp4[nt][2], dp4[nt][3]),
+                               pack2<T>(dp4[nt + 1][0], dp4[nt + 1][1]), pack2<T>(dp4[nt + 1][2], dp4[nt + 1][3])};
+        stmatrix_x4_trans(ds_rows + QTiles::at(8 * (nt + block / 2) + r8, key0 / 8 + block % 2), r);
+      }
+    } else {
       const int sg = lane / 4, sc = lane % 4;
 #pragma unroll
       for (int nt = 0; nt < Q_TILES; ++nt) {
@@ -330,14 +345,26 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     // dQ = dS K (this warpgroup's columns), then dK += dS^T Q. DKV_SPLIT: dQ in DQ_SLICES slices
     // of 64 columns (FlashAttention-3's Slice_dQKV_Mma: half the registers), dV before the first
     // slice's atomics and dK before the second's run under them.
-    float dq[DQ_SN / 2];
-    auto& dq4 = reinterpret_cast<float(&)[DQ_SN / 8][4]>(dq);
+    // DQ_T: dQ^T (this warpgroup's 64 head_dim rows x BLOCK_M queries), else dQ's DQ_SN columns.
+    constexpr int DQ_N8 = DQ_T ? BLOCK_M / 8 : DQ_SN / 8;
+    float dq[DQ_N8 * 4];
+    auto& dq4 = reinterpret_cast<float(&)[DQ_N8][4]>(dq);
     auto dq_mma = [&](int slice) {
       const uint64_t kt = kt_desc + slice * 64;  // the slice's 64-column atom of K
-      Wgmma<T, DQ_SN>::ss<0, 1, 1>(dq, ds_tile_desc, kt);
+      // (both branches compile in either mode, outside a template: each takes dq at its own width)
+      if constexpr (DQ_T) {  // dQ^T = K^T dS^T: K^T the MN-major A, dS (query-major) the K-major B
+        auto& dqt = reinterpret_cast<float(&)[BLOCK_M / 2]>(dq);
+        Wgmma<T, BLOCK_M>::ss<0, 0, 1>(dqt, kt, dsq_tile_desc);
 #pragma unroll
-      for (int kk = 1; kk < BLOCK_N / 16; ++kk)
-        Wgmma<T, DQ_SN>::ss<1, 1, 1>(dq, ds_tile_desc + kk * 16 * DS_CHUNKS, kt + kk * ROWS16);
+        for (int kk = 1; kk < BLOCK_N / 16; ++kk)
+          Wgmma<T, BLOCK_M>::ss<1, 0, 1>(dqt, kt + kk * ROWS16, dsq_tile_desc + q_step(kk));
+      } else {
+        auto& dqs = reinterpret_cast<float(&)[DQ_SN / 2]>(dq);
+        Wgmma<T, DQ_SN>::ss<0, 1, 1>(dqs, ds_tile_desc, kt);
+#pragma unroll
+        for (int kk = 1; kk < BLOCK_N / 16; ++kk)
+          Wgmma<T, DQ_SN>::ss<1, 1, 1>(dqs, ds_tile_desc + kk * 16 * DS_CHUNKS, kt + kk * ROWS16);
+      }
       wgmma_commit();
     };
     // The compute warps' own vector atomics of dQ columns col0 + [0, DQ_SN).
@@ -420,6 +447,21 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
         if (q >= DQ_STAGES) mbarrier_wait(&dq_empty[b], free_parity<DQ_STAGES>(q));
         if (PERSISTENT && i == 0 && done > 0) mbarrier_wait(&stored, (done - 1) & 1);  // the buffers staged dK / dV
         float* buf = dq_smem + b * DQ_TILE;
+        if constexpr (DQ_T) {
+          // dQ^T's element (head_dim column col, query row qr) into row qr of the buffer, float4
+          // col / 4 at (col / 4) ^ (qr's accumulator row % 8): 4-byte stores, each instruction's
+          // 32 lanes on 32 banks (4 rows, their swizzles 2 apart, x 8 columns).
+          const int x0 = static_cast<int>(accum_row(p, w, m * BLOCK_M) & 7);
+          const int col0 = wg * DQ_N + (warp % 4) * 16 + g;
+#pragma unroll
+          for (int j = 0; j < DQ_N8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int qr = 8 * j + 2 * c + (e & 1), col = col0 + 8 * (e / 2);
+              buf[qr * HEAD_DIM + ((((col >> 2) ^ ((x0 + 2 * c + (e & 1)) & 7))) << 2) + (col & 3)] = dq4[j][e];
+            }
+          }
+        } else {
         const int x = static_cast<int>(accum_row(p, w, row) & 7);  // rows row and row + 8 alike (BLOCK_M % 8 == 0)
         // f ^ x for f = wg * DQ_N / 4 + 2j + c / 2: x < 8 only flips f's low three bits, which
         // are (2j % 8) | c / 2, so f ^ x = wg * DQ_N / 4 + 2j - 2j % 8 + ((2j % 8) ^ y) with
@@ -431,6 +473,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
           const int f = wg * (DQ_N / 4) + ((2 * j) & ~7) + (((2 * j) & 7) ^ y);
           *reinterpret_cast<float2*>(buf + row * HEAD_DIM + f * 4 + (c & 1) * 2) = make_float2(dq4[j][0], dq4[j][1]);
           *reinterpret_cast<float2*>(buf + (row + 8) * HEAD_DIM + f * 4 + (c & 1) * 2) = make_float2(dq4[j][2], dq4[j][3]);
+        }
         }
         fence_proxy_async_shared();  // for the bulk add's (async proxy) reads
         __syncwarp();

@@ -84,19 +84,21 @@
             // before any store, so they share one memory latency. Each lane arrives after its
             // own stores.
             if (q == 0) wait_for_prerequisite_grid();
-            constexpr int PER_LANE = BLOCK_M / 32;
-            static_assert(BLOCK_M % 32 == 0, "lse2 / delta: whole rows a lane");
+            constexpr int PER_LANE = (BLOCK_M + 31) / 32;  // rows lane + 32 k below BLOCK_M (80: the last k in part)
             const int64_t rows_at = accum_row(p, w, m * BLOCK_M + lane);
             const float* lse2_rows = p.lse2 + rows_at;
             const float* delta_rows = p.delta + rows_at;
             float l2[PER_LANE], dl[PER_LANE];
 #pragma unroll
             for (int k = 0; k < PER_LANE; ++k) {
-              l2[k] = lse2_rows[32 * k];
-              dl[k] = delta_rows[32 * k];
+              if (BLOCK_M % 32 == 0 || lane + 32 * k < BLOCK_M) {
+                l2[k] = lse2_rows[32 * k];
+                dl[k] = delta_rows[32 * k];
+              }
             }
 #pragma unroll
             for (int k = 0; k < PER_LANE; ++k) {
+              if (BLOCK_M % 32 != 0 && lane + 32 * k >= BLOCK_M) continue;
               if constexpr (ScoreMod::KV_AFFINE) {  // lse2 less the row's bias, and its slope
                 const float2 terms = affine_row_terms(p, w, m * BLOCK_M + lane + 32 * k);
                 l2[k] -= terms.y;

@@ -28,7 +28,11 @@ constexpr int D_TILES = DKV_N / 8;             // n8 tiles of dK / dV
 constexpr int DQ_N = HEAD_DIM / WARPGROUPS;    // dQ columns per warpgroup
 constexpr int DQ_SLICES = DKV_SPLIT ? 2 : 1;   // dQ MMAs (and atomics) a tile, DQ_SN columns each
 constexpr int DQ_SN = DQ_N / DQ_SLICES;
-constexpr int DS_CHUNKS = BLOCK_M / 8;         // a row of dS^T: one swizzle atom wide
+// DQ_T (80 query rows, TILE80_HEAD_DIMS): dQ^T = K^T dS^T, since wgmma's M is 64 and dQ = dS K
+// would need M = 80; dS then lies query-major (QTiles' layout, keys as the columns: the K-major
+// B of dQ^T), written from the S^T-shaped fragments by stmatrix .trans; one dQ hand-off buffer.
+constexpr bool DQ_T = BLOCK_M == 80;
+constexpr int DS_CHUNKS = BLOCK_M / 8;         // a row of dS^T: one swizzle atom wide (not DQ_T)
 constexpr int GROUP_BYTES = ROW_CHUNKS * 128;  // 8 rows of a K / V tile
 constexpr int ROWS16 = 2 * GROUP_BYTES / 16;   // 16 rows of a K / V tile, in uint4
 constexpr int QBLOCK = BLOCK_M * 8;            // a 64-column block of a Q / dO tile, in uint4
@@ -49,7 +53,7 @@ constexpr int DS_TILES = DKV_SPLIT ? 2 : 1;    // a stage's dS^T, and with DKV_S
 // dQ hand-off buffers of the bulk add; 0: the compute warpgroups add dQ from registers (vector
 // atomics; DKV_SPLIT: 64 KB a buffer does not fit beside two Q / dO stages, nor does
 // FlashAttention-3's at hdim256).
-constexpr int DQ_STAGES = PRODUCER && !DKV_SPLIT ? 2 : 0;
+constexpr int DQ_STAGES = PRODUCER && !DKV_SPLIT ? (DQ_T ? 1 : 2) : 0;
 constexpr int DQ_TILE = BLOCK_M * HEAD_DIM;    // floats of one dQ hand-off buffer
 // DKV_SPLIT: each warp's 8 rows x DQ_SN columns of dQ, where its fragments are turned into rows
 // so that each vector atomic instruction adds 4 whole 128-byte lines instead of 16 rows' 32
@@ -75,11 +79,13 @@ struct SharedStorage {
   float dq_scratch[DQ_SCRATCH > 0 ? DQ_SCRATCH : 1];  // DKV_SPLIT: [warp][8 rows][DQ_SN]
 };
 constexpr int SMEM_BYTES = offsetof(SharedStorage, dq_scratch) + DQ_SCRATCH * 4 + 1024;
-static_assert(BLOCK_N == (DKV_SPLIT ? 64 : 128) && BLOCK_M == 64,
-              "wgmma rung: 2 warpgroups x 64 keys (DKV_SPLIT: both on 64), 64 queries a step");
+static_assert(BLOCK_N == (DKV_SPLIT ? 64 : 128) && (BLOCK_M == 64 || (DQ_T && PRODUCER && !PERSISTENT)),
+              "wgmma rung: 2 warpgroups x 64 keys (DKV_SPLIT: both on 64), 64 queries a step (80: DQ_T, "
+              "with the producer, a CTA per key tile)");
+static_assert(!DQ_T || (HEAD_DIM == 128 && !DKV_SPLIT && DQ_N == 64), "DQ_T: head_dim 128, each warpgroup 64 of dQ^T's rows");
 static_assert(HEAD_DIM % 64 == 0 && (DKV_SPLIT ? HEAD_DIM == 256 : HEAD_DIM <= 128),
               "wgmma rung: head_dim 64 or 128, or 256 with DKV_SPLIT (dK and dV in registers)");
-static_assert(ROW_CHUNKS == CHUNKS && DS_CHUNKS == 8, "whole swizzle atoms");
+static_assert(ROW_CHUNKS == CHUNKS && (DQ_T || DS_CHUNKS == 8), "whole swizzle atoms");
 static_assert(!DKV_SPLIT || (DQ_STAGES == 0 && DQ_SN == 64), "DKV_SPLIT: dQ by atomics, in 64-column slices");
 static_assert(SMEM_BYTES <= 227 * 1024, "tile shape needs more shared memory than an SM has (227 KB)");
 static_assert(2 * STAGES * QT_CHUNKS >= 2 * BLOCK_N * ROW_CHUNKS, "the dK / dV epilogue stages in the Q and dO buffers");
