@@ -13,14 +13,19 @@ With `--profile` it also prints, for jitattn, torch.profiler's view of a few cal
 every kernel's device time per call (is the forward with grad the same kernel, as fast, as the
 one without?) and the host operations by self time per call (where the backward's enqueue goes).
 
+With `--rows80` a third line runs jitattn with the backward on FlashAttention-3's 80-row tile
+(dQ transposed; spec.TILE80_HEAD_DIMS, off by default), forced by override_spec onto the calls that
+take the persistent 64-row kernel, causal ones included.
+
 With `--spin-x N` the spin is N times longer (bench_util.time_us's spin_x): the host's enqueue
 is then hidden, but a power-capped GPU also cools between reps, so both peers speed up somewhat.
 
-    PYTHONPATH=. python3 tools/bwd_method.py [--rounds 3] [--spin-x 1] [--profile] [--batch 8 --seqlen 4096 ...]
+    PYTHONPATH=. python3 tools/bwd_method.py [--rounds 3] [--spin-x 1] [--profile] [--rows80] [--batch 8 ...]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 from pathlib import Path
@@ -32,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jitattn  # noqa: E402
 from bench_util import host_enqueue_us, sets_needed, time_us  # noqa: E402
 from bench_variants import shape_arguments  # noqa: E402
+from jitattn.varlen.plan import override_spec  # noqa: E402
 
 
 def profile_steps(steps: dict, calls: int = 5, top: int = 12) -> None:
@@ -64,6 +70,8 @@ def main() -> None:
     parser.add_argument("--spin-x", type=int, default=1)
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--profile", action="store_true", help="jitattn's steps under torch.profiler")
+    parser.add_argument("--rows80", action="store_true",
+                        help="also jitattn with the backward on the 80-row tile (spec.TILE80_HEAD_DIMS, off by default)")
     args = parser.parse_args()
     import torch._functorch.config
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -89,17 +97,26 @@ def main() -> None:
             return flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask).transpose(1, 2)
         return run
 
-    def timers(fn):
+    def timers(fn, context=contextlib.nullcontext):
+        """Each step of `fn`, run inside `context()` (where the backward plans its kernels)."""
         def fwd_no_grad(i):
-            with torch.no_grad():
+            with context(), torch.no_grad():
                 fn(*sets[i])
 
+        def fwd_grad(i):
+            with context():
+                return fn(*sets[i])
+
         def fwd_bwd(i):
-            torch.autograd.grad(fn(*sets[i]), sets[i], grads[i])
+            with context():
+                torch.autograd.grad(fn(*sets[i]), sets[i], grads[i])
+
+        def bwd_alone(i):
+            with context():
+                torch.autograd.grad(kept[i], sets[i], grads[i], retain_graph=True)
 
         kept = [fn(*s) for s in sets]
-        steps = {"fwd no grad": fwd_no_grad, "fwd grad": lambda i: fn(*sets[i]), "fwd+bwd": fwd_bwd,
-                 "bwd alone": lambda i: torch.autograd.grad(kept[i], sets[i], grads[i], retain_graph=True)}
+        steps = {"fwd no grad": fwd_no_grad, "fwd grad": fwd_grad, "fwd+bwd": fwd_bwd, "bwd alone": bwd_alone}
         return {name: (lambda f=f: time_us([lambda i=i: f(i) for i in range(len(sets))], reps=10,
                                            spin_x=args.spin_x) / 1e3)
                 for name, f in steps.items()}, steps
@@ -108,24 +125,32 @@ def main() -> None:
           f"of {args.rounds} interleaved rounds; spin x{args.spin_x}")
     for causal in (False, True):
         medians = {}
-        for name, fn in (("jitattn", ours(causal)),) + (() if args.no_flex else (("flex", theirs(causal)),)):
-            t, steps = timers(fn)
+        implementations = [("jitattn", ours(causal), contextlib.nullcontext)]
+        if args.rows80:  # the backward on the 80-row tile (persistent 64-row calls forced onto it)
+            implementations.append(("jitattn80", ours(causal), lambda: override_spec(
+                "varlen_backward", when={"persistent": True, "soft_cap": False}, block_m=80, persistent=False)))
+        if not args.no_flex:
+            implementations.append(("flex", theirs(causal), contextlib.nullcontext))
+        for name, fn, context in implementations:
+            t, steps = timers(fn, context)
             got = {k: [] for k in t}
             for _ in range(args.rounds):
                 for k, f in t.items():
                     got[k].append(f())
             med = medians[name] = {k: statistics.median(v) for k, v in got.items()}
             line = "  ".join(f"{k} {v:6.3f}" for k, v in med.items())
-            print(f"{'causal' if causal else 'full':6s} {name:8s} {line}  | fwd+bwd - fwd no grad "
+            print(f"{'causal' if causal else 'full':6s} {name:9s} {line}  | fwd+bwd - fwd no grad "
                   f"{med['fwd+bwd'] - med['fwd no grad']:6.3f}")
             if name == "jitattn":
                 host = {k: host_enqueue_us(lambda f=f: f(0)) for k, f in steps.items() if k != "fwd+bwd"}
                 print(f"{'':15s} host enqueue (us): " + "  ".join(f"{k} {v:.0f}" for k, v in host.items()))
                 if args.profile:
                     profile_steps({k: f for k, f in steps.items() if k != "fwd+bwd"})
-        if "flex" in medians:
-            mine, peer = medians["jitattn"], medians["flex"]
-            print(f"{'':15s} flex / jitattn: bench column (fwd+bwd - fwd no grad) "
+        for ours_name in ("jitattn", "jitattn80") if "flex" in medians else ():
+            if ours_name not in medians:
+                continue
+            mine, peer = medians[ours_name], medians["flex"]
+            print(f"{'':15s} flex / {ours_name}: bench column (fwd+bwd - fwd no grad) "
                   f"{(peer['fwd+bwd'] - peer['fwd no grad']) / (mine['fwd+bwd'] - mine['fwd no grad']):.3f}x, "
                   f"bwd alone {peer['bwd alone'] / mine['bwd alone']:.3f}x, "
                   f"fwd {peer['fwd no grad'] / mine['fwd no grad']:.3f}x")
