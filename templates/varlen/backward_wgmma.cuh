@@ -439,9 +439,9 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
       wgmma_wait<1>();  // dV and dQ done; dK runs on under the atomics
       wgmma_pin(dq);
       if constexpr (DQ_STAGES > 0) {
-        // Hand dQ to the bulk add: into buffer i % 2 once tile i - 2's was read, float4 f of row
-        // r at f ^ (r % 8) with r the accumulator row (DQ_SWIZZLE): a warp's 8 rows x 4 lanes
-        // then write 256 bytes in two conflict-free wavefronts.
+        // Hand dQ to the bulk add: into buffer i % DQ_STAGES once tile i - DQ_STAGES's was read,
+        // float4 f of row r at f ^ (r % 8) with r the accumulator row (DQ_SWIZZLE): a warp's 8
+        // rows x 4 lanes then write 256 bytes in two conflict-free wavefronts.
         const int row = (warp % 4) * 16 + g;  // this thread's dQ rows: row, row + 8
         const int b = q % DQ_STAGES;
         if (q >= DQ_STAGES) mbarrier_wait(&dq_empty[b], free_parity<DQ_STAGES>(q));
