@@ -10,7 +10,9 @@
 # two manifests with every core into /tmp/jitattn-seed: cheaper than carrying a pack) and then runs
 # strict the same way, which also proves the manifests cover every call the tests make.
 # TESTS=0 skips the GPU tests (a benchmark-only call on a warm machine); SHARDS=1 runs them in one
-# pytest process (default 4 processes sharing the GPU, logs in $OUT/pytest.N.log). --profile adds the host
+# pytest process (default 4 processes sharing the GPU, logs in $OUT/pytest.N.log). ROWS80=1 runs the
+# backward tests with full D128 calls on the 80-row tile (JITATTN_TEST_BACKWARD_ROWS80, off by
+# default: spec.TILE80_HEAD_DIMS) and adds its line to tools/bwd_method.py (BENCH=variants). --profile adds the host
 # breakdown, per-kernel times and the split sweep; NCU=1 also an ncu summary of the kernels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +45,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 status=0
+[ -n "${ROWS80:-}" ] && export JITATTN_TEST_BACKWARD_ROWS80=1 && echo "the backward tests with the 80-row tile on"
 if [ "${TESTS:-1}" = 1 ] && [ "${SHARDS:-4}" -gt 1 ]; then
   # SHARDS (default 4) pytest processes share the GPU, each every SHARDS-th test: the GPU suite is
   # host-bound (references, checks), and one process took 5+ minutes where four take under two.
@@ -130,5 +133,6 @@ wants sweep && python3 tools/bench_sweep.py --quick --json "$OUT/sweep.json" 2>&
 wants variants && JITATTN_DISABLE_JIT=0 python3 tools/bench_variants.py ${VARIANTS_ARGS:-} 2>&1 \
   | tee "$OUT/bench_variants.log"
 # What the variants table's backward column holds (the kernels alone, the grad path's host enqueue).
-wants variants && JITATTN_DISABLE_JIT=0 python3 tools/bwd_method.py --profile 2>&1 | tee "$OUT/bwd_method.log"
+wants variants && JITATTN_DISABLE_JIT=0 python3 tools/bwd_method.py --profile ${ROWS80:+--rows80} 2>&1 \
+  | tee "$OUT/bwd_method.log"
 exit $status
