@@ -944,6 +944,25 @@ def test_what_changes_a_call_plans_it_again(kernel_calls, monkeypatch):
     assert len(kernel_calls["mapped"]) - before == 2
 
 
+def test_a_decode_step_with_the_same_plan_reuses_the_kept_launch_for_its_longer_cache(kernel_calls, monkeypatch):
+    """When one key more changes neither the split count nor the mask map (forward.for_max_k
+    returns the launch itself), a step's first layer derives its kept launch from the last
+    step's (KeptLaunch.for_keys: the new keys' strides) instead of packing one anew."""
+    from jitattn.varlen import forward as varlen_forward
+
+    kept = []
+    real = varlen_forward.keep_launch
+    monkeypatch.setattr(varlen_forward, "keep_launch", lambda *a: kept.append(a) or real(*a))
+    with torch.no_grad():
+        for len_k in range(400, 406):  # 13 key tiles of 32 each: one plan
+            for layer in range(3):
+                q, k, v = qkv(batch=1, h_q=8, h_kv=2, len_q=1, len_k=len_k, d=64, dtype=BF16, seed=len_k + layer)
+                out, _ = jt.attention_forward(Attn(), q, k, v, None)
+                torch.testing.assert_close(out.double(), sdpa(q, k, v), rtol=0, atol=1e-2)
+    assert len(kept) == 1  # the first warm run packs it; every later step derives it
+    assert len(kernel_calls["mapped"]) == 1
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_a_decode_steps_first_layer_replans_the_last_steps_call_for_its_longer_cache(kernel_calls, padded):
     """A DynamicCache grows by one key per step, in a new tensor (and the padding mask by one

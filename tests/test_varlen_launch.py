@@ -112,6 +112,29 @@ def test_a_kept_launch_packs_what_run_packs_with_its_own_tensors(recorder_for):
         assert out.untyped_storage().nbytes() >= out.numel() * out.element_size() + 3 * 8 * 2 * (64 + 1) * 4
 
 
+def test_a_kept_launch_for_longer_keys_packs_what_a_new_keep_packs(recorder_for):
+    """KeptLaunch.for_keys (a decode step's first layer: the cache one key longer, in a new tensor
+    with other strides) writes the params a launch kept anew for those keys would hold, field for
+    field but the per-call allocations."""
+    kernel, last = kernel_with_recorder(recorder_for, VarlenSpec(head_dim=64, dtype="bfloat16", paged=False,
+                                                                 decode=True))
+    _, views, starts = tensors(0, len_k=40)
+    kept = kernel.keep(*views, *starts, *SCALARS, False, (), (2, 1, 8, 64))
+    bases, longer, starts = tensors(1, len_k=41)
+    assert longer[1].stride() != views[1].stride()  # (tokens, heads): the head stride follows the length
+    derived = kept.for_keys(longer[1], longer[2])
+    fresh = kernel.keep(*longer, *starts, *SCALARS, False, (), (2, 1, 8, 64))
+    got, want = [], []
+    for launch, into in ((derived, got), (fresh, want)):
+        launch.run(*bases, *starts)
+        into.append(last())
+    (got,), (want,) = got, want
+    assert got["rest"] == want["rest"]  # the strides, total_k and every scalar
+    for name in ("q", "k", "v", "cu_q", "cu_k", "used"):
+        assert got["pointers"][name] == want["pointers"][name] != 0, name
+    assert derived.sizes == fresh.sizes and derived.alloc_shape == fresh.alloc_shape
+
+
 def test_the_scratch_layout_is_aligned_and_disjoint():
     """_Scratch's one allocation: each part 16-byte aligned, in order, none overlapping the next."""
     from jitattn.varlen.launch import _Scratch

@@ -47,6 +47,13 @@ def stand_in_forward_kernels(monkeypatch, run, ctas_per_sm: int = 2) -> None:
             self.layouts = [(tuple(t.shape), t.stride()) for t in (q, k, v)]
             self.num_captures = len(kept["captures"])
 
+        def for_keys(self, k, v):
+            """KeptLaunch.for_keys: the same launch on keys of these layouts."""
+            other = StandInKept.__new__(StandInKept)
+            other.kernel, other.kept, other.num_captures = self.kernel, self.kept, self.num_captures
+            other.layouts = self.layouts[:1] + [(tuple(t.shape), t.stride()) for t in (k, v)]
+            return other
+
         def run(self, q, k, v, cu_q, cu_k, used, captures=()):
             assert len(captures) == self.num_captures
             q, k, v = (t.as_strided(size, stride) for t, (size, stride) in zip((q, k, v), self.layouts))

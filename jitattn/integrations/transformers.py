@@ -300,8 +300,11 @@ def _next_length(signature: tuple, query, key, value, mask) -> _WarmCall | None:
         return None
     views = (known.views[0], (tuple(k.shape), k.stride()), (tuple(v.shape), v.stride()))
     if mask is None:
+        # The same plan (for_max_k kept it): the family's kept launch with these keys' strides,
+        # not packed anew (a decode step's first layer runs this once a step).
+        kept = known.kept[0].for_keys(k, v) if launch is known.launch and known.kept[0] else None
         warm = _WarmCall(launch, views, _dense_starts(batch, len_q, len_k, rows, query.device), None, known.out_shape,
-                         [None])
+                         [kept])
     else:
         plan_key = (len_q, len_k, rows) + known.plan_key[3:]
         warm = _WarmCall(launch, views, None, plan_key, known.out_shape, [None], known.hooked, [None])

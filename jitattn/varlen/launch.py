@@ -181,6 +181,12 @@ class _Scratch:
 # The params' pointer fields, first in VarlenParams: q, k, v, out, lse, partial_o, partial_lse,
 # cu_seq_q, cu_seq_k, seqused_k, block_table, bad_page, work_counter, mask_map.
 _POINTERS = struct.Struct("@14P")
+# Where the key / value strides (page, token, head; then value's) and total_k sit in VarlenParams:
+# after q's and out's two strides, and the fifth of the 13 ints (KeptLaunch.for_keys).
+_KV_STRIDES = struct.Struct("@6q")
+KV_STRIDES_AT = struct.calcsize("@14Pi4q")
+_INT = struct.Struct("@i")
+TOTAL_K_AT = struct.calcsize("@14Pi11q") + 4 * _INT.size
 CAPTURES_AT = struct.calcsize(VARLEN_PARAMS + "0P")  # the first Capture's offset (pointer-aligned)
 
 
@@ -206,6 +212,19 @@ class KeptLaunch:
         # out's first dimension grown by the rows the scratch takes (16-byte aligned after out's)
         extra = -(-scratch_bytes // row_bytes) if scratch_bytes and row_bytes % 16 == 0 else 0
         self.alloc_shape = (out_shape[0] + extra,) + tuple(out_shape[1:]) if extra else None
+
+    def for_keys(self, k, v) -> "KeptLaunch":
+        """This launch for key / value tensors of another length (a decode step's cache one key
+        longer, in a new tensor: jitattn/integrations/transformers.py), whose launch plan is this
+        one's (the same split count and mask map: forward.for_max_k returned the launch itself):
+        their strides and total_k written into a copy of the params, every other field kept."""
+        if self.kernel.paged:
+            raise ValueError("for_keys re-packs packed keys, not a page pool")
+        params = bytearray(self.params)
+        _KV_STRIDES.pack_into(params, KV_STRIDES_AT, 0, *k.stride()[:2], 0, *v.stride()[:2])
+        _INT.pack_into(params, TOTAL_K_AT, k.shape[0])
+        return KeptLaunch(self.kernel, bytes(params), self.out_shape, self.dtype, self.device, self.sizes,
+                          self.num_captures)
 
     def run(self, q, k, v, cu_seq_q, cu_seq_k, seqused_k, captures=()) -> torch.Tensor:
         """The output (out_shape) of the kept launch on these tensors (q, k, v of the kept layout)."""
