@@ -122,7 +122,7 @@ def test_a_kept_launch_for_longer_keys_packs_what_a_new_keep_packs(recorder_for)
     kept = kernel.keep(*views, *starts, *SCALARS, False, (), (2, 1, 8, 64))
     bases, longer, starts = tensors(1, len_k=41)
     assert longer[1].stride() != views[1].stride()  # (tokens, heads): the head stride follows the length
-    derived = kept.for_keys(longer[1], longer[2])
+    derived = kept.for_keys(*((tuple(t.shape), t.stride()) for t in longer[1:]))
     fresh = kernel.keep(*longer, *starts, *SCALARS, False, (), (2, 1, 8, 64))
     got, want = [], []
     for launch, into in ((derived, got), (fresh, want)):

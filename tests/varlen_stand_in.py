@@ -48,10 +48,10 @@ def stand_in_forward_kernels(monkeypatch, run, ctas_per_sm: int = 2) -> None:
             self.num_captures = len(kept["captures"])
 
         def for_keys(self, k, v):
-            """KeptLaunch.for_keys: the same launch on keys of these layouts."""
+            """KeptLaunch.for_keys: the same launch on keys of these layouts ((size, stride) each)."""
             other = StandInKept.__new__(StandInKept)
             other.kernel, other.kept, other.num_captures = self.kernel, self.kept, self.num_captures
-            other.layouts = self.layouts[:1] + [(tuple(t.shape), t.stride()) for t in (k, v)]
+            other.layouts = self.layouts[:1] + [(tuple(size), tuple(stride)) for size, stride in (k, v)]
             return other
 
         def run(self, q, k, v, cu_q, cu_k, used, captures=()):

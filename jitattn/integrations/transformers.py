@@ -289,16 +289,16 @@ def _next_length(signature: tuple, query, key, value, mask) -> _WarmCall | None:
         return None
     if mask is not None and key.shape[2] > mask.shape[1]:  # as _padded: only the mask's keys
         key, value = key[:, :, :mask.shape[1]], value[:, :, :mask.shape[1]]
-    slots = _slots(key), _slots(value)
+    slots = _slot_layout(key), _slot_layout(value)
     if slots[0] is None or slots[1] is None or slots[0][1] != slots[1][1]:
         return None
-    (k, rows), (v, _) = slots
+    (k, rows), (v, _) = slots  # (size, stride) of the views
     batch, _, len_q, _ = query.shape
     len_k = key.shape[2]
     launch = varlen_forward().for_max_k(known.launch, len_k)  # max_k is L_k on both paths (no host read)
     if launch is None:
         return None
-    views = (known.views[0], (tuple(k.shape), k.stride()), (tuple(v.shape), v.stride()))
+    views = (known.views[0], k, v)
     if mask is None:
         # The same plan (for_max_k kept it): the family's kept launch with these keys' strides,
         # not packed anew (a decode step's first layer runs this once a step).
@@ -521,6 +521,16 @@ def _slots(t: torch.Tensor):
     row i * (stride B / stride L), its first L rows used (the rows between belong to other heads,
     never read). (view, rows per slot), or None when the strides do not allow it (or the
     kernel could not read it without a copy)."""
+    layout = _slot_layout(t)
+    if layout is None:
+        return None
+    (size, stride), rows = layout
+    return t.as_strided(size, stride), rows
+
+
+def _slot_layout(t: torch.Tensor):
+    """`_slots`' view as ((size, stride), rows per slot), without making it (a decode step's first
+    layer only needs its layout), or None."""
     batch, heads, length, head_dim = t.shape
     s_b, s_h, s_l, s_d = t.stride()
     per_vec = 16 // t.element_size()
@@ -528,8 +538,7 @@ def _slots(t: torch.Tensor):
             or any(s % per_vec for s in (s_b, s_h, s_l))):
         return None
     rows = s_b // s_l
-    view = t.as_strided(((batch - 1) * rows + length, heads, head_dim), (s_l, s_h, 1))
-    return view, rows
+    return (((batch - 1) * rows + length, heads, head_dim), (s_l, s_h, 1)), rows
 
 
 def _padded(query, key, value, mask, common) -> _Mapped:

@@ -213,16 +213,18 @@ class KeptLaunch:
         extra = -(-scratch_bytes // row_bytes) if scratch_bytes and row_bytes % 16 == 0 else 0
         self.alloc_shape = (out_shape[0] + extra,) + tuple(out_shape[1:]) if extra else None
 
-    def for_keys(self, k, v) -> "KeptLaunch":
-        """This launch for key / value tensors of another length (a decode step's cache one key
-        longer, in a new tensor: jitattn/integrations/transformers.py), whose launch plan is this
-        one's (the same split count and mask map: forward.for_max_k returned the launch itself):
-        their strides and total_k written into a copy of the params, every other field kept."""
+    def for_keys(self, k: tuple, v: tuple) -> "KeptLaunch":
+        """This launch for key / value views of another length (a decode step's cache one key
+        longer, in a new tensor: jitattn/integrations/transformers.py), given as (size, stride)
+        of the (T_k, H_kv, D) views, whose launch plan is this one's (the same split count and mask
+        map: forward.for_max_k returned the launch itself): their strides and T_k written into a
+        copy of the params, every other field kept."""
         if self.kernel.paged:
             raise ValueError("for_keys re-packs packed keys, not a page pool")
+        (k_size, k_stride), (_, v_stride) = k, v
         params = bytearray(self.params)
-        _KV_STRIDES.pack_into(params, KV_STRIDES_AT, 0, *k.stride()[:2], 0, *v.stride()[:2])
-        _INT.pack_into(params, TOTAL_K_AT, k.shape[0])
+        _KV_STRIDES.pack_into(params, KV_STRIDES_AT, 0, *k_stride[:2], 0, *v_stride[:2])
+        _INT.pack_into(params, TOTAL_K_AT, k_size[0])
         return KeptLaunch(self.kernel, bytes(params), self.out_shape, self.dtype, self.device, self.sizes,
                           self.num_captures)
 
