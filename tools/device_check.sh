@@ -12,7 +12,7 @@
 # TESTS=0 skips the GPU tests (a benchmark-only call on a warm machine); SHARDS=1 runs them in one
 # pytest process (default 4 processes sharing the GPU, logs in $OUT/pytest.N.log). ROWS80=1 runs the
 # backward tests with full D128 calls on the 80-row tile (JITATTN_TEST_BACKWARD_ROWS80, off by
-# default: spec.TILE80_HEAD_DIMS) and adds its line to tools/bwd_method.py (BENCH=variants). --profile adds the host
+# default: spec.TILE80_HEAD_DIMS) and adds its line to tools/bwd_method.py (BENCH=bwd or variants). --profile adds the host
 # breakdown, per-kernel times and the split sweep; NCU=1 also an ncu summary of the kernels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -81,7 +81,8 @@ fi
 #     batch-1 transformers decode layer call's host time by part (tools/decode_host.py), and what the
 #     varlen forward and backward cost the host to enqueue, GPU idle and busy (tools/host_enqueue.py)
 #   backward: the varlen backward rows (the issue's shapes, peers, deterministic, skewed)
-#   transformers: tokens/s of a generation and a training step beside sdpa
+#   transformers: tokens/s of a generation and a training step beside sdpa (TRANSFORMERS_ARGS replace
+#     the default --layers 2 --new 32, e.g. "--layers 4 32 --new 32 --rounds 7 --cases generate host")
 #   encoder: tools/profile_encoder.py at head dims 32 and 64 (wall, host and device totals, top kernels
 #     of one padded encoder forward: sdpa, jitattn on device, jitattn host_read), then
 #     tools/short_tiles.py --mask-hooks (what the padding mask hook's capture reads cost)
@@ -90,7 +91,9 @@ fi
 #     PYTORCH_DIR, torch's own attention tests with jitattn active). It may compile what the manifests
 #     lack, so it runs with the JIT on (into the writable cache).
 #   variants: tools/bench_variants.py (variants vs FlexAttention, masks vs windows, the soft cap's cost),
-#     then tools/bwd_method.py (the backward column taken apart, with torch.profiler per step)
+#     then bwd (below)
+#   bwd: tools/bwd_method.py (the backward column taken apart, with torch.profiler per step; with
+#     ROWS80=1 the 80-row tile's line too)
 #   sweep: tools/bench_sweep.py --quick (forward / backward TFLOP/s against sequence length, decode TB/s
 #     against kv length, beside the peers) -> $OUT/sweep.json, which tools/plot_benchmarks.py draws
 #   persistent: the forward's other schedule at D64 / D128 / D256 (a CTA per row block where calls
@@ -118,7 +121,8 @@ wants backward && python3 tools/bench_varlen.py --quick --parts backward --bwd-v
 wants persistent && timeout 400 python3 tools/fwd_schedule.py --quick --head-dims 64 128 256 --rounds 3 \
   --shapes 8x4096 32x1024 --schedules default d64:tma d128:tma d256:tma,split_kv,persistent 2>&1 \
   | tee "$OUT/fwd_persistent.log"
-wants transformers && python3 tools/bench_transformers.py --layers 2 --new 32 2>&1 | tee "$OUT/bench_transformers.log"
+wants transformers && python3 tools/bench_transformers.py ${TRANSFORMERS_ARGS:---layers 2 --new 32} 2>&1 \
+  | tee "$OUT/bench_transformers.log"
 if wants encoder; then
   for heads in 12 6; do
     PYTHONPATH=$PWD:$PWD/tools JITATTN_DISABLE_JIT=0 python3 tools/profile_encoder.py --heads $heads 2>&1 | tee -a "$OUT/profile_encoder.log"
@@ -133,6 +137,6 @@ wants sweep && python3 tools/bench_sweep.py --quick --json "$OUT/sweep.json" 2>&
 wants variants && JITATTN_DISABLE_JIT=0 python3 tools/bench_variants.py ${VARIANTS_ARGS:-} 2>&1 \
   | tee "$OUT/bench_variants.log"
 # What the variants table's backward column holds (the kernels alone, the grad path's host enqueue).
-wants variants && JITATTN_DISABLE_JIT=0 python3 tools/bwd_method.py --profile ${ROWS80:+--rows80} 2>&1 \
+{ wants variants || wants bwd; } && JITATTN_DISABLE_JIT=0 python3 tools/bwd_method.py --profile ${ROWS80:+--rows80} 2>&1 \
   | tee "$OUT/bwd_method.log"
 exit $status
