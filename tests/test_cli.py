@@ -4,6 +4,7 @@ Most commands run in-process through `jitattn.cli.main` (capsys); the one real b
 `python -m jitattn` in a child process (exit codes as a shell sees them), once per module, and
 later tests use copies of that cache.
 """
+import dataclasses
 import json
 import os
 import re
@@ -515,13 +516,14 @@ def test_the_backward_family_takes_the_same_flags(capsys, no_builds):
     runs (wgmma with its producer warpgroup on sm_90 at head_dim 64/128/256: at 128 persistent, and
     a CTA per key tile for deterministic mode; at 256 with dQ in its own kernel; mma.sync
     elsewhere), varlen-only flags ignored."""
-    from jitattn.varlen.spec import VarlenBackwardSpec
+    from jitattn.varlen.spec import TILE80_HEAD_DIMS, VarlenBackwardSpec
 
     got, _ = dry_run(capsys, "prewarm", "--family", "varlen_backward", "--head-dim", "64,128,256", "--dtype",
                      "bfloat16", "--arch", "9.0")
+    rows80 = [VarlenBackwardSpec(128, "bfloat16", wgmma=True, producer=True, block_m=80)] if 128 in TILE80_HEAD_DIMS else []
     assert [registry.spec_from_dict(d) for d in got] == [
         VarlenBackwardSpec(64, "bfloat16", wgmma=True, producer=True),
-        VarlenBackwardSpec(128, "bfloat16", wgmma=True, producer=True, persistent=True),
+        VarlenBackwardSpec(128, "bfloat16", wgmma=True, producer=True, persistent=True), *rows80,
         VarlenBackwardSpec(128, "bfloat16", wgmma=True, producer=True),
         VarlenBackwardSpec(256, "bfloat16", wgmma=True, producer=True, dq_kernel=True)]
     got, _ = dry_run(capsys, "prewarm", "--family", "varlen,varlen_backward", "--head-dim", "128", "--paged", "off",
@@ -530,6 +532,7 @@ def test_the_backward_family_takes_the_same_flags(capsys, no_builds):
         VarlenSpec(128, "float16", False, False, wgmma=True, tma=True, persistent=True),
         VarlenSpec(128, "float16", False, False),
         VarlenBackwardSpec(128, "float16", wgmma=True, producer=True, persistent=True),
+        *[dataclasses.replace(spec, dtype="float16") for spec in rows80],
         VarlenBackwardSpec(128, "float16", wgmma=True, producer=True), VarlenBackwardSpec(128, "float16")]
 
 

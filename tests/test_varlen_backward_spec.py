@@ -12,6 +12,7 @@ import pytest
 from jitattn.jit import keys, render
 from jitattn.jit.manifest import read_manifest
 from jitattn.jit.registry import spec_from_dict
+from jitattn.varlen import spec as spec_module
 from jitattn.varlen.spec import CONSUMER_REGS, DQ_KERNEL_HEAD_DIMS, PERSISTENT_HEAD_DIMS, VarlenBackwardSpec, VarlenSpec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -94,9 +95,13 @@ def test_backward_persistent_is_a_variant_of_the_producer_kernel_the_default_at_
     assert not plan(256, "bfloat16").persistent
     assert not plan(128, "bfloat16", hopper=False).persistent
     # What `prewarm --family varlen_backward` builds follows the plan (both modes) unless named.
+    # (and, where the 80-row tile is on at 128, full calls' non-persistent 80-row spec between them)
     fields = {"head_dim": 128, "dtype": "bfloat16"}
-    assert [v.get("persistent") for v in VarlenBackwardSpec.prewarm_variants(fields, ("9.0a",))] == [True, False]
-    assert [v["persistent"] for v in VarlenBackwardSpec.prewarm_variants({**fields, "persistent": False}, ("9.0a",))] == [False]
+    rows80 = [(False, 80)] if 128 in spec_module.TILE80_HEAD_DIMS else []
+    assert [(v["persistent"], v["block_m"]) for v in VarlenBackwardSpec.prewarm_variants(fields, ("9.0a",))] == [
+        (True, 64), *rows80, (False, 64)]
+    assert [(v["persistent"], v["block_m"]) for v in VarlenBackwardSpec.prewarm_variants(
+        {**fields, "persistent": False}, ("9.0a",))] == [(False, 64), *rows80]
 
 
 @pytest.fixture

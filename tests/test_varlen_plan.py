@@ -10,6 +10,7 @@ import torch
 import jitattn.varlen.forward as varlen
 from jitattn.kernel import fresh_memos
 from jitattn.varlen import plan
+from jitattn.varlen import spec as spec_module
 from jitattn.varlen.checks import AuxRequest, varlen_call
 from jitattn import checks as _checks
 from jitattn.varlen.spec import VarlenBackwardSpec, VarlenSpec
@@ -394,7 +395,8 @@ def test_override_spec_names_a_bad_field_when_entered():
 def test_prewarm_follows_the_active_overrides():
     with plan.override_spec("varlen_backward", persistent=False):
         variants = VarlenBackwardSpec.prewarm_variants({"head_dim": 128, "dtype": "bfloat16"}, ("9.0",))
-    assert [v["persistent"] for v in variants] == [False]
+    rows80 = [80] if 128 in spec_module.TILE80_HEAD_DIMS else []  # full calls' tile, never persistent
+    assert [(v["persistent"], v["block_m"]) for v in variants] == [(False, 64)] + [(False, m) for m in rows80]
 
 
 # ---------------------------------------------------------------- warm calls (forward.py's warm_key)
