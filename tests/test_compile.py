@@ -474,8 +474,8 @@ def test_event_floor_probe_builds(tmp_path):
 def test_each_varlen_backward_rung_compiles_and_registers_its_op(tmp_path, monkeypatch):
     """The backward family's rungs: mma.sync at both warp layouts (warps_q 1: all of dK / dV per
     warp; 2: split across a pair, head_dim > 128) and the Hopper wgmma one (and its persistent
-    producer variant, the largest template path, and the 80-row tile with dQ transposed, off by
-    default: spec.TILE80_HEAD_DIMS): real nvcc builds through the pipeline (sm_90; sm_90a for
+    producer variant, the largest template path, and the 80-row tile with dQ transposed, full D128
+    calls': spec.TILE80_HEAD_DIMS): real nvcc builds through the pipeline (sm_90; sm_90a for
     wgmma), each loaded with its run op."""
     import torch
 

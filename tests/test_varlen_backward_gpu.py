@@ -13,8 +13,8 @@ with a `rung` parameter, and half the random configurations at those head dims, 
 mma.sync rung too (forced, as JITATTN_WGMMA=0 would). JITATTN_TEST_BACKWARD_PRODUCER=1 / 0
 runs the wgmma rung with / without its producer warpgroup; JITATTN_TEST_BACKWARD_PERSISTENT=1 / 0
 its D64 / D128 producer kernels persistent (a CTA per SM) / not; JITATTN_TEST_BACKWARD_DQ_KERNEL=0 the
-D256 producer kernel with dQ inside (not the dq_kernel variant); JITATTN_TEST_BACKWARD_ROWS80=1 every
-full D128 producer call on the 80-row tile (spec.TILE80_HEAD_DIMS, off by default).
+D256 producer kernel with dQ inside (not the dq_kernel variant); JITATTN_TEST_BACKWARD_ROWS80=0 every
+full D128 producer call on the persistent 64-row kernel instead of the 80-row tile (spec.TILE80_HEAD_DIMS).
 
 Every gradient is compared relatively (Frobenius, ||g - ref|| / ||ref||) and absolutely (max
 |g - ref| against the largest gradient entry of the case): with one visible key per row the
@@ -94,7 +94,7 @@ def _backward_variant(monkeypatch):
     deterministic mode too), 0: a CTA per key tile; JITATTN_TEST_BACKWARD_DQ_KERNEL=0: D256's dQ in
     the main kernel again; JITATTN_TEST_BACKWARD_CONSUMER_REGS=224 (or 240): the producer kernels
     at D128 with that register split (VarlenBackwardSpec.consumer_regs; the default is 240 there);
-    JITATTN_TEST_BACKWARD_ROWS80=1: full D128 producer calls on the 80-row tile."""
+    JITATTN_TEST_BACKWARD_ROWS80=0: full D128 producer calls on the 64-row kernels, not the 80-row tile."""
     from jitattn.varlen.plan import override_spec
 
     with contextlib.ExitStack() as stack:
@@ -110,10 +110,10 @@ def _backward_variant(monkeypatch):
             stack.enter_context(override_spec("varlen_backward", persistent=False))
         if os.environ.get("JITATTN_TEST_BACKWARD_DQ_KERNEL") == "0":
             stack.enter_context(override_spec("varlen_backward", dq_kernel=False))
-        if os.environ.get("JITATTN_TEST_BACKWARD_ROWS80") == "1":
+        if os.environ.get("JITATTN_TEST_BACKWARD_ROWS80") == "0":
             from jitattn.varlen import spec as spec_module
 
-            monkeypatch.setattr(spec_module, "TILE80_HEAD_DIMS", spec_module.TILE80_FITS)
+            monkeypatch.setattr(spec_module, "TILE80_HEAD_DIMS", frozenset())
         regs = os.environ.get("JITATTN_TEST_BACKWARD_CONSUMER_REGS")
         if regs is not None:
             stack.enter_context(override_spec("varlen_backward", when={"producer": True, "head_dim": 128},
@@ -493,7 +493,7 @@ def test_deterministic_mode_is_bitwise_reproducible(head_dim, group, window, run
 # ---------------------------------------------------------------- the 80-row tile (spec.TILE80_HEAD_DIMS)
 @pytest.fixture
 def rows80(monkeypatch):
-    """The 80-row tile on (off by default) and the backward specs the calls looked up, by name
+    """The 80-row tile on (the default; also under JITATTN_TEST_BACKWARD_ROWS80=0) and the backward specs the calls looked up, by name
     (the call memos empty, so each call's kernel is looked up again under the new rule)."""
     from jitattn.kernel import fresh_memos
     from jitattn.varlen import backward_launch

@@ -106,7 +106,7 @@ def test_backward_persistent_is_a_variant_of_the_producer_kernel_the_default_at_
 
 @pytest.fixture
 def rows80(monkeypatch):
-    """The 80-row tile turned on where the template builds it (off by default: spec.TILE80_HEAD_DIMS)."""
+    """The 80-row tile on where the template builds it (the default: spec.TILE80_HEAD_DIMS)."""
     from jitattn.varlen import spec as spec_module
 
     monkeypatch.setattr(spec_module, "TILE80_HEAD_DIMS", spec_module.TILE80_FITS)

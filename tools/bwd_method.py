@@ -13,9 +13,9 @@ With `--profile` it also prints, for jitattn, torch.profiler's view of a few cal
 every kernel's device time per call (is the forward with grad the same kernel, as fast, as the
 one without?) and the host operations by self time per call (where the backward's enqueue goes).
 
-With `--rows80` a third line runs jitattn with the backward on FlashAttention-3's 80-row tile
-(dQ transposed; spec.TILE80_HEAD_DIMS, off by default), forced by override_spec onto the calls that
-take the persistent 64-row kernel, causal ones included.
+Full calls' backward runs FlashAttention-3's 80-row tile (dQ transposed; spec.TILE80_HEAD_DIMS).
+With `--rows80` a third line runs jitattn with that tile forced by override_spec onto the calls
+that take the persistent 64-row kernel, causal ones included (not what the plan picks: timing only).
 
 With `--spin-x N` the spin is N times longer (bench_util.time_us's spin_x): the host's enqueue
 is then hidden, but a power-capped GPU also cools between reps, so both peers speed up somewhat.
@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--profile", action="store_true", help="jitattn's steps under torch.profiler")
     parser.add_argument("--rows80", action="store_true",
-                        help="also jitattn with the backward on the 80-row tile (spec.TILE80_HEAD_DIMS, off by default)")
+                        help="also jitattn with the 80-row tile forced onto causal calls too (full calls take it by default)")
     args = parser.parse_args()
     import torch._functorch.config
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention

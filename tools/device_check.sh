@@ -7,12 +7,15 @@
 # it is unpacked here as a read-only seed dir and the tests run strict: JITATTN_DISABLE_JIT=1,
 # zero compiles (a prebuilt cache root copied to .seed/ works the same way). Without either,
 # kernels are compiled here on first use. SEED_PREWARM=1 builds that seed here first (prewarm of the
-# two manifests with every core into /tmp/jitattn-seed: cheaper than carrying a pack) and then runs
-# strict the same way, which also proves the manifests cover every call the tests make.
+# GPU manifests with every core into /tmp/jitattn-seed: cheaper than carrying a pack) and then runs
+# strict the same way, which also proves the manifests cover every call the tests make
+# (cache/gpu-tests-compiled.toml lists what the tests trace or pick beyond the hand-written ones;
+# a run with JITATTN_DISABLE_JIT=0 writes what it had to compile to $OUT/compiled_specs.jsonl).
 # TESTS=0 skips the GPU tests (a benchmark-only call on a warm machine); SHARDS=1 runs them in one
-# pytest process (default 4 processes sharing the GPU, logs in $OUT/pytest.N.log). ROWS80=1 runs the
-# backward tests with full D128 calls on the 80-row tile (JITATTN_TEST_BACKWARD_ROWS80, off by
-# default: spec.TILE80_HEAD_DIMS) and adds its line to tools/bwd_method.py (BENCH=bwd or variants). --profile adds the host
+# pytest process (default 4 processes sharing the GPU, logs in $OUT/pytest.N.log). ROWS80=0 runs the
+# backward tests with full D128 calls on the 64-row kernels instead of the 80-row tile
+# (JITATTN_TEST_BACKWARD_ROWS80; spec.TILE80_HEAD_DIMS); ROWS80=1 adds tools/bwd_method.py's line
+# with the 80-row tile forced onto causal calls too (BENCH=bwd or variants). --profile adds the host
 # breakdown, per-kernel times and the split sweep; NCU=1 also an ncu summary of the kernels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,8 +36,9 @@ done
 if [ -z "$seed" ] && [ "${SEED_PREWARM:-0}" = 1 ]; then
   seed=/tmp/jitattn-seed
   if [ ! -d "$seed" ]; then  # a warm machine's earlier call may have built it
+    # (pipefail: a prewarm that failed a spec leaves no seed; tail alone would pass)
     JITATTN_CACHE_DIR=$seed.building python3 -m jitattn prewarm cache/gpu-tests.toml cache/gpu-dropin.toml cache/variants.toml \
-      --arch 9.0 -j "$(nproc)" 2>&1 | tail -3 && mv $seed.building "$seed" || exit 1
+      cache/gpu-tests-compiled.toml --arch 9.0 -j "$(nproc)" 2>&1 | tail -3 && mv $seed.building "$seed" || exit 1
   fi
 fi
 if [ -n "$seed" ]; then
@@ -45,7 +49,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 status=0
-[ -n "${ROWS80:-}" ] && export JITATTN_TEST_BACKWARD_ROWS80=1 && echo "the backward tests with the 80-row tile on"
+[ "${ROWS80:-}" = 0 ] && export JITATTN_TEST_BACKWARD_ROWS80=0 && echo "the backward tests with the 80-row tile off"
 if [ "${TESTS:-1}" = 1 ] && [ "${SHARDS:-4}" -gt 1 ]; then
   # SHARDS (default 4) pytest processes share the GPU, each every SHARDS-th test: the GPU suite is
   # host-bound (references, checks), and one process took 5+ minutes where four take under two.
@@ -66,6 +70,12 @@ elif [ "${TESTS:-1}" = 1 ]; then
 fi
 compiles=$(find "$JITATTN_CACHE_DIR" -name manifest.json 2>/dev/null | wc -l)
 echo "GPU tests exit code: $status; entries in the writable cache $JITATTN_CACHE_DIR (= compiles here): $compiles"
+if [ "$compiles" -gt 0 ]; then  # what the manifests missed (JIT on): tools/compiled_manifest.py lists it for the seed
+  for entry in "$JITATTN_CACHE_DIR"/v*/*/*/manifest.json; do
+    python3 -c "import json, sys; print(json.dumps(json.load(open(sys.argv[1]))['components']['spec']))" "$entry"
+  done > "$OUT/compiled_specs.jsonl" 2>/dev/null
+  echo "their specs: $OUT/compiled_specs.jsonl (python3 tools/compiled_manifest.py ... --out cache/gpu-tests-compiled.toml)"
+fi
 if [ $profile = 1 ]; then
   python3 tools/profile_decode.py 2>&1 | tee "$OUT/profile.log"
   if [ "${NCU:-0}" = 1 ]; then
@@ -93,7 +103,7 @@ fi
 #   variants: tools/bench_variants.py (variants vs FlexAttention, masks vs windows, the soft cap's cost),
 #     then bwd (below)
 #   bwd: tools/bwd_method.py (the backward column taken apart, with torch.profiler per step; with
-#     ROWS80=1 the 80-row tile's line too)
+#     ROWS80=1 a line with the 80-row tile forced onto causal calls too)
 #   sweep: tools/bench_sweep.py --quick (forward / backward TFLOP/s against sequence length, decode TB/s
 #     against kv length, beside the peers) -> $OUT/sweep.json, which tools/plot_benchmarks.py draws
 #   persistent: the forward's other schedule at D64 / D128 / D256 (a CTA per row block where calls
@@ -137,6 +147,6 @@ wants sweep && python3 tools/bench_sweep.py --quick --json "$OUT/sweep.json" 2>&
 wants variants && JITATTN_DISABLE_JIT=0 python3 tools/bench_variants.py ${VARIANTS_ARGS:-} 2>&1 \
   | tee "$OUT/bench_variants.log"
 # What the variants table's backward column holds (the kernels alone, the grad path's host enqueue).
-{ wants variants || wants bwd; } && JITATTN_DISABLE_JIT=0 python3 tools/bwd_method.py --profile ${ROWS80:+--rows80} 2>&1 \
+{ wants variants || wants bwd; } && JITATTN_DISABLE_JIT=0 python3 tools/bwd_method.py --profile $([ "${ROWS80:-}" = 1 ] && echo --rows80) 2>&1 \
   | tee "$OUT/bwd_method.log"
 exit $status

@@ -47,10 +47,11 @@ PERSISTENT_HEAD_DIMS: frozenset[int] = frozenset({128})
 # Backward head dims whose producer kernel takes 80 query rows a step on full calls (no window,
 # no mask_mod, no soft cap): FlashAttention-3's non-causal hdim-128 tile, dQ computed transposed
 # (dQ^T = K^T dS^T: wgmma's M is 64, so 80 rows cannot be dQ's M), a CTA per key tile (the
-# persistent kernel's staging does not fit beside it). Empty: not yet run on a GPU, so no call
-# takes it; the spec module's list, read at plan time, so tests and benchmarks turn it on here
-# (notes/backward-h200.md, fourteenth session). TILE80_FITS: the head dims the template builds it at.
-TILE80_HEAD_DIMS: frozenset[int] = frozenset()
+# persistent kernel's staging does not fit beside it). On at 128: the whole GPU backward suite
+# passes on it, and full calls' backward ran 2.4% faster than the persistent 64-row kernel's
+# (bf16 8 x 4096, H100; notes/backward-h200.md, fifteenth session). Read at plan time, so tests
+# and benchmarks can turn it off. TILE80_FITS: the head dims the template builds it at.
+TILE80_HEAD_DIMS: frozenset[int] = frozenset({128})
 TILE80_FITS: frozenset[int] = frozenset({128})
 
 
