@@ -71,7 +71,8 @@ def tensor_map_encode(buffer: torch.Tensor):
     descriptor = ctypes.create_string_buffer(128 + 64)
     at = (ctypes.addressof(descriptor) + 63) // 64 * 64  # CUtensorMap is 64-byte aligned
 
-    def run():  # CU_TENSOR_MAP_DATA_TYPE_UINT16 = 1, SWIZZLE_128B = 3, L2_PROMOTION_L2_256B = 3
+    def run(descriptor=descriptor):  # held here: the driver writes 128 bytes at `at`, inside it
+        # CU_TENSOR_MAP_DATA_TYPE_UINT16 = 1, SWIZZLE_128B = 3, L2_PROMOTION_L2_256B = 3
         status = encode(at, 1, 5, buffer.data_ptr(), dims, strides, box, unit, 0, 3, 3, 0)
         if status != 0:
             raise RuntimeError(f"cuTensorMapEncodeTiled returned {status}")
