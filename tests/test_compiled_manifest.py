@@ -1,6 +1,7 @@
 """tools/compiled_manifest.py: a GPU run's compiled specs (JSON lines, or a cache root's entries)
 become a manifest that jitattn reads back to the same specs; a bad line is an error naming the
 file, never a spec; and cache/gpu-tests-compiled.toml is such a manifest."""
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -38,13 +39,22 @@ def test_jsonl_round_trips_through_the_manifest(tmp_path):
     assert {s.to_dict()["mask_mod"] for s in read_manifest(out)} >= {specs[2].mask_mod}
 
 
-def test_a_cache_root_gives_its_entries_specs(tmp_path):
+def test_a_cache_root_gives_its_verified_entries_specs(tmp_path):
+    """Entries as the cache lays them out (jitattn/jit/cache.py); one whose library does not match
+    its manifest is not read."""
     specs = specs_with_variants()
     for i, spec in enumerate(specs):
-        entry = tmp_path / "v1" / "sm90a" / f"{spec.name}-{i:016x}"
+        key = f"{i:064x}"
+        entry = tmp_path / "v1" / "sm90a" / f"{spec.name}-{key[:16]}"
         entry.mkdir(parents=True)
-        (entry / "manifest.json").write_text(json.dumps({"components": {"spec": spec.to_dict()}}))
+        library = f"library {i}".encode()
+        (entry / "module.so").write_bytes(library)
+        (entry / "manifest.json").write_text(json.dumps({
+            "key": key, "library": {"size": len(library), "sha256": hashlib.sha256(library).hexdigest()},
+            "components": {"spec": spec.to_dict()}}))
     assert sorted(d["head_dim"] for d in compiled_manifest.specs_in(tmp_path)) == [64, 128, 128]
+    (entry / "module.so").write_bytes(b"library X")  # the last entry's library changed
+    assert sorted(d["head_dim"] for d in compiled_manifest.specs_in(tmp_path)) == [64, 128]
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -57,6 +67,23 @@ def test_a_bad_spec_is_an_error_naming_the_file(tmp_path, bad, words):
     lines.write_text(json.dumps(bad) + "\n")
     with pytest.raises(ValueError, match=rf"compiled_specs\.jsonl.*{words}"):
         compiled_manifest.manifest_text([lines], "a test")
+
+
+def test_a_new_runs_list_joins_the_checked_in_one(tmp_path):
+    """What device_check lists (a manifest) added to an earlier list: their union, once each."""
+    specs = specs_with_variants()
+    earlier, run = tmp_path / "earlier.toml", tmp_path / "run.toml"
+    earlier.write_text(compiled_manifest.manifest_text([_lines(tmp_path, specs[:2])], "earlier"))
+    run.write_text(compiled_manifest.manifest_text([_lines(tmp_path, specs[1:])], "a run"))
+    joined = tmp_path / "joined.toml"
+    compiled_manifest.main([str(earlier), str(run), "--out", str(joined)])
+    assert sorted(s.name for s in read_manifest(joined)) == sorted(s.name for s in specs)
+
+
+def _lines(tmp_path, specs):
+    path = tmp_path / f"specs{len(list(tmp_path.iterdir()))}.jsonl"
+    path.write_text("".join(json.dumps(s.to_dict()) + "\n" for s in specs))
+    return path
 
 
 def test_the_checked_in_list_reads_as_a_manifest():

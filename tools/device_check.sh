@@ -10,7 +10,7 @@
 # GPU manifests with every core into /tmp/jitattn-seed: cheaper than carrying a pack) and then runs
 # strict the same way, which also proves the manifests cover every call the tests make
 # (cache/gpu-tests-compiled.toml lists what the tests trace or pick beyond the hand-written ones;
-# a run with JITATTN_DISABLE_JIT=0 writes what it had to compile to $OUT/compiled_specs.jsonl).
+# a run with JITATTN_DISABLE_JIT=0 lists what it had to compile in $OUT/compiled.toml).
 # TESTS=0 skips the GPU tests (a benchmark-only call on a warm machine); SHARDS=1 runs them in one
 # pytest process (default 4 processes sharing the GPU, logs in $OUT/pytest.N.log). ROWS80=0 runs the
 # backward tests with full D128 calls on the 64-row kernels instead of the 80-row tile
@@ -70,11 +70,9 @@ elif [ "${TESTS:-1}" = 1 ]; then
 fi
 compiles=$(find "$JITATTN_CACHE_DIR" -name manifest.json 2>/dev/null | wc -l)
 echo "GPU tests exit code: $status; entries in the writable cache $JITATTN_CACHE_DIR (= compiles here): $compiles"
-if [ "$compiles" -gt 0 ]; then  # what the manifests missed (JIT on): tools/compiled_manifest.py lists it for the seed
-  for entry in "$JITATTN_CACHE_DIR"/v*/*/*/manifest.json; do
-    python3 -c "import json, sys; print(json.dumps(json.load(open(sys.argv[1]))['components']['spec']))" "$entry"
-  done > "$OUT/compiled_specs.jsonl" 2>/dev/null
-  echo "their specs: $OUT/compiled_specs.jsonl (python3 tools/compiled_manifest.py ... --out cache/gpu-tests-compiled.toml)"
+if [ "$compiles" -gt 0 ]; then  # what the manifests missed (JIT on), as a manifest to add to the seed's
+  python3 tools/compiled_manifest.py "$JITATTN_CACHE_DIR" --out "$OUT/compiled.toml" --note "$(date -u +%F) run" \
+    && echo "  (python3 tools/compiled_manifest.py cache/gpu-tests-compiled.toml compiled.toml --out cache/gpu-tests-compiled.toml)"
 fi
 if [ $profile = 1 ]; then
   python3 tools/profile_decode.py 2>&1 | tee "$OUT/profile.log"
