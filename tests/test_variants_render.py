@@ -16,7 +16,7 @@ import torch
 from jitattn.variants import (Variant, derivative, reference_mask, reference_score, render_mask_mod, render_score_mod,
                               trace_mask_mod, trace_score_mod)
 from jitattn.variants import gallery, interval, render
-from jitattn.variants.tree import Shared
+from jitattn.variants.tree import INT32_MAX, INT32_MIN, Shared
 from tests.conftest import require_nvcc
 from tests.test_variants_trace import N_HEADS, N_SEQ, N_TOKENS, acceptance_set, grid
 
@@ -121,6 +121,19 @@ def test_classify_reads_exact_loads_and_calls_document_tiles_inside_one_document
     assert interval.classify(v, 0, 0, 1, 0, 3, 0, 3) == interval.PARTIAL  # not exact: unknown, safe
 
 
+def test_an_exact_index_that_leaves_int32_wraps_as_the_kernels_int_and_is_read_exactly():
+    """INT32_MIN - INT32_MAX is 1 in the kernel's wrapping ints: classify reads table[0, 1] exactly,
+    as preload(b) does, instead of widening the index to all of int32 (the CI failure of the
+    fifteenth session: classify PARTIAL, classify(preload(b), ...) EMPTY)."""
+    table = torch.tensor([[0, 7, 0]], dtype=torch.int32)
+    index = ("sub", ("const", INT32_MIN), ("const", INT32_MAX))
+    for limit, want in ((5, interval.EMPTY), (9, interval.FULL)):
+        tree = ("lt", ("load", 0, ("const", 0), index), ("const", limit))
+        v = Variant("mask_mod", tree, (("int32", 2),), (table,))
+        assert interval.classify(v, 0, 0, 1, 0, 7, 0, 7) == want
+        assert brute_force(v, 0, 0, 1, 0, 7, 0, 7) == (want == interval.FULL, want == interval.EMPTY)
+
+
 def test_classify_with_range_reads_settles_tiles_inside_and_between_documents():
     """classify_warp's reads (ranges=True) take a read over an index range as its elements' span:
     one document id on both sides is FULL, disjoint ids EMPTY, overlapping ones PARTIAL; past the
@@ -196,8 +209,10 @@ def test_classify_is_sound_on_random_masks():
     assert checked > 0  # the analysis decides some tiles, not only PARTIAL
 
 
-def test_interval_arithmetic_widens_to_int32_on_overflow_and_floors_like_python():
-    assert interval.iv_add((2 ** 31 - 1, 2 ** 31 - 1), (1, 1)) == interval.FULL_INT
+def test_interval_arithmetic_widens_a_range_to_int32_on_overflow_wraps_a_value_and_floors_like_python():
+    assert interval.iv_add((2 ** 31 - 2, 2 ** 31 - 1), (1, 1)) == interval.FULL_INT
+    assert interval.iv_add((2 ** 31 - 1, 2 ** 31 - 1), (1, 1)) == (-2 ** 31, -2 ** 31)  # as the kernel's int
+    assert interval.iv_floordiv((-2 ** 31, -2 ** 31), (-1, -1)) == (-2 ** 31, -2 ** 31)  # variant.cuh's floordiv
     assert interval.iv_neg((-2 ** 31, 0)) == interval.FULL_INT
     for a in [(-7, 5), (3, 3), (-9, -2)]:
         for d in [(-3, 2), (2, 2), (-4, -1), (0, 0), (1, 5)]:

@@ -6,7 +6,7 @@ hidden one (PARTIAL is always safe). Over a tile (b fixed, h in the KV head's gr
 ranges) each int node gets a range [lo, hi], each bool node (may_true, may_false):
 
 - ranges are computed in 64-bit and widened to all of int32 when they leave it (the kernel's ints
-  wrap there);
+  wrap there); a single value wraps as the kernel's int does, so an exact index stays exact;
 - a captured tensor read at indices that are all exact (``prefix_len[b]``) is read, exactly;
   otherwise an int read is any int32 and a bool read may be either, except in the mask map's
   classify_warp (``ranges``): there a read whose one inexact index spans at most RANGE_READS
@@ -31,6 +31,8 @@ RANGE_READS = 1024  # variant.cuh's: the longest index range a ranges read spans
 
 
 def iv_fit(lo: int, hi: int) -> tuple:
+    if lo == hi:  # one value: the kernel's int wraps, so the exact value does too (as preload's exact int does)
+        return iv_exact((lo - INT32_MIN) % 2**32 + INT32_MIN)
     return FULL_INT if lo < INT32_MIN or hi > INT32_MAX else (lo, hi)
 
 

@@ -178,7 +178,9 @@ struct IBool {
 };
 struct IFloat {};
 
+// A single value wraps as the kernel's int does (preload's exact reads see the wrapped index too).
 JITATTN_VARIANT_FN IInt iv_fit(long long lo, long long hi) {
+  if (lo == hi) return IInt{int(unsigned(lo)), int(unsigned(lo))};
   return (lo < INT_MIN || hi > INT_MAX) ? IInt{INT_MIN, INT_MAX} : IInt{lo, hi};
 }
 JITATTN_VARIANT_FN IInt iv_exact(long long v) { return IInt{v, v}; }
