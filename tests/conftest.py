@@ -21,6 +21,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _backward_tile80(request, monkeypatch):
+    """JITATTN_TEST_BACKWARD_ROWS80 for every GPU test (backward, variants, flex, integrations):
+    0: no call on the backward's 80-row tile (spec.TILE80_HEAD_DIMS empty); all: every D128 call
+    but a soft-capped one on it, windows and variants too (spec.TILE80_FEATURES: all of them)."""
+    rows80 = os.environ.get("JITATTN_TEST_BACKWARD_ROWS80")
+    if rows80 in ("0", "all") and "gpu" in request.node.keywords:
+        from jitattn.varlen import spec as spec_module
+
+        if rows80 == "0":
+            monkeypatch.setattr(spec_module, "TILE80_HEAD_DIMS", frozenset())
+        else:
+            monkeypatch.setattr(spec_module, "TILE80_FEATURES", frozenset(spec_module.CALL_FEATURES))
+    yield
+
+
 # pytest-xdist runs several workers on the one GPU: a worker's caching allocator keeps what a
 # big test (a float64 reference over 16k keys) reserved, and the next worker's big test ran out
 # of memory with 7 idle workers holding 9-16 GiB each. Give a large reserve back after each test.

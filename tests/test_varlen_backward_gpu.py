@@ -14,7 +14,8 @@ mma.sync rung too (forced, as JITATTN_WGMMA=0 would). JITATTN_TEST_BACKWARD_PROD
 runs the wgmma rung with / without its producer warpgroup; JITATTN_TEST_BACKWARD_PERSISTENT=1 / 0
 its D64 / D128 producer kernels persistent (a CTA per SM) / not; JITATTN_TEST_BACKWARD_DQ_KERNEL=0 the
 D256 producer kernel with dQ inside (not the dq_kernel variant); JITATTN_TEST_BACKWARD_ROWS80=0 every
-full D128 producer call on the persistent 64-row kernel instead of the 80-row tile (spec.TILE80_HEAD_DIMS).
+full D128 producer call on the persistent 64-row kernel instead of the 80-row tile (spec.TILE80_HEAD_DIMS),
+=all every D128 producer call but a soft-capped one on the 80-row tile (spec.TILE80_FEATURES; conftest.py).
 
 Every gradient is compared relatively (Frobenius, ||g - ref|| / ||ref||) and absolutely (max
 |g - ref| against the largest gradient entry of the case): with one visible key per row the
@@ -65,7 +66,7 @@ def _standins_on_cpu(monkeypatch):
     from jitattn.varlen import backward_launch as varlen_backward_launch
     from jitattn.varlen import ops as varlen_ops
 
-    def forward(call):  # jitattn.varlen.forward.forward's contract: a checked VarlenCall in
+    def forward(call, remember_as=None):  # jitattn.varlen.forward.forward's contract: a checked VarlenCall in
         args = call
         o, lse = varlen_attn_reference(call.query, call.key, call.value, call.cu_seq_q, call.cu_seq_k, call.max_q,
                                        call.max_k, scale=args.scale, window_size=(args.window_left, args.window_right),
@@ -76,7 +77,10 @@ def _standins_on_cpu(monkeypatch):
         return o.to(call.query.dtype), lse.float()
 
     def backward(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k=None, *, scale=None,
-                 window_size=(-1, -1), max_q=None, max_k=None, deterministic=None, softcap=None):
+                 window_size=(-1, -1), max_q=None, max_k=None, deterministic=None, softcap=None, score_mod=None,
+                 mask_mod=None):
+        if score_mod is not None or mask_mod is not None:
+            pytest.skip("the dry run's closed-form backward takes no variant")
         return closed_form_backward(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k,
                                     scale=scale, window_size=window_size, softcap=softcap)
 
@@ -94,7 +98,7 @@ def _backward_variant(monkeypatch):
     deterministic mode too), 0: a CTA per key tile; JITATTN_TEST_BACKWARD_DQ_KERNEL=0: D256's dQ in
     the main kernel again; JITATTN_TEST_BACKWARD_CONSUMER_REGS=224 (or 240): the producer kernels
     at D128 with that register split (VarlenBackwardSpec.consumer_regs; the default is 240 there);
-    JITATTN_TEST_BACKWARD_ROWS80=0: full D128 producer calls on the 64-row kernels, not the 80-row tile."""
+    (JITATTN_TEST_BACKWARD_ROWS80=0 / all: tests/conftest.py, for every GPU test.)"""
     from jitattn.varlen.plan import override_spec
 
     with contextlib.ExitStack() as stack:
@@ -110,10 +114,6 @@ def _backward_variant(monkeypatch):
             stack.enter_context(override_spec("varlen_backward", persistent=False))
         if os.environ.get("JITATTN_TEST_BACKWARD_DQ_KERNEL") == "0":
             stack.enter_context(override_spec("varlen_backward", dq_kernel=False))
-        if os.environ.get("JITATTN_TEST_BACKWARD_ROWS80") == "0":
-            from jitattn.varlen import spec as spec_module
-
-            monkeypatch.setattr(spec_module, "TILE80_HEAD_DIMS", frozenset())
         regs = os.environ.get("JITATTN_TEST_BACKWARD_CONSUMER_REGS")
         if regs is not None:
             stack.enter_context(override_spec("varlen_backward", when={"producer": True, "head_dim": 128},
@@ -517,7 +517,8 @@ def rows80(monkeypatch):
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
 def test_full_d128_calls_on_the_80_row_tile_match_float64(rows80, group, dtype):
     """FlashAttention-3's non-causal D128 tile (80 query rows a step, dQ = (K^T dS^T)^T): lengths on
-    and off its 80-row steps, an empty sequence, seqused_k, GQA; a causal call keeps 64 rows."""
+    and off its 80-row steps, an empty sequence, seqused_k, GQA; a causal call keeps 64 rows unless
+    spec.TILE80_FEATURES lists windows."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the 80-row tile is the sm_90 producer kernel's")
     b = make_batch([80, 1, 79, 0, 81, 160, 333, 1100], [80, 7, 79, 5, 81, 160, 400, 1100], 2 * group, 2, 128, dtype,
@@ -526,7 +527,10 @@ def test_full_d128_calls_on_the_80_row_tile_match_float64(rows80, group, dtype):
     assert rows80 and all(name.endswith("_n128m80q1") for name in rows80), rows80
     rows80.clear()
     check_case(b, (-1, 0), "causal beside the 80-row tile")
-    assert rows80 and not any(name.endswith("_n128m80q1") for name in rows80), rows80
+    from jitattn.varlen import spec as spec_module
+
+    causal80 = "window" in spec_module.TILE80_FEATURES
+    assert rows80 and all(name.endswith("_n128m80q1") == causal80 for name in rows80), rows80
 
 
 @cuda_only

@@ -110,6 +110,7 @@ def rows80(monkeypatch):
     from jitattn.varlen import spec as spec_module
 
     monkeypatch.setattr(spec_module, "TILE80_HEAD_DIMS", spec_module.TILE80_FITS)
+    monkeypatch.setattr(spec_module, "TILE80_FEATURES", frozenset())
 
 
 def test_prewarm_builds_the_80_row_tile_where_the_plan_takes_it(rows80):
@@ -130,12 +131,13 @@ def _causal_mask_text() -> str:
 def test_backward_full_calls_at_128_take_80_query_rows_a_step_and_nothing_else_does(rows80):
     """FlashAttention-3's non-causal hdim-128 tile: 80 query rows a step, dQ transposed, a CTA per
     key tile; a call with a window, a mask_mod, a score_mod or a soft cap keeps 64 rows."""
-    plan = lambda head_dim=128, soft_cap=False, deterministic=False, full=True, **chosen: VarlenBackwardSpec.for_call(
-        head_dim, "bfloat16", soft_cap, deterministic, True, True, full, **chosen)
+    plan = lambda head_dim=128, soft_cap=False, deterministic=False, features=frozenset(), **chosen: (
+        VarlenBackwardSpec.for_call(head_dim, "bfloat16", soft_cap, deterministic, True, True, features, **chosen))
     spec = plan()
     assert (spec.block_m, spec.persistent) == (80, False) and spec.name.endswith("_n128m80q1")
     assert plan(deterministic=True).block_m == 80
-    for other in (plan(full=False), plan(64), plan(256), plan(soft_cap=True), plan(mask_mod=_causal_mask_text())):
+    for other in (plan(features=frozenset({"window"})), plan(features=None), plan(64), plan(256), plan(soft_cap=True),
+                  plan(mask_mod=_causal_mask_text())):  # the mask_mod counts though `features` left it out
         assert other.block_m == 64, other.name
     assert "constexpr int BLOCK_M = 80;" in render.render(spec, "x")["kernels.cu"]
     for bad in (dict(head_dim=64), dict(persistent=True), dict(soft_cap=True)):
@@ -264,3 +266,28 @@ def test_manifests_list_the_backward_kernels_hopper_calls_run(manifest, capped):
                     spec = VarlenBackwardSpec.for_call(head_dim, dtype, cap, deterministic, hopper=True)
                     assert spec.producer and spec.dq_kernel == (head_dim == 256)
                     assert spec in listed, (manifest, spec.name)
+
+
+def test_tile80_features_route_windows_and_variants_onto_the_80_row_tile_one_by_one(rows80, monkeypatch):
+    """spec.TILE80_FEATURES: a call takes the 80-row tile when every feature it adds to a full call
+    is listed; a soft cap, another head dim or an unknown call (features=None) never does; prewarm
+    lists what the plan would take."""
+    from jitattn.variants import gallery
+    from jitattn.variants.trace import trace_score_mod
+
+    relbias = trace_score_mod(gallery.relative_position).key_text
+    plan = lambda features, head_dim=128, soft_cap=False, **chosen: VarlenBackwardSpec.for_call(
+        head_dim, "bfloat16", soft_cap, False, True, True, features, **chosen)
+    window, both = frozenset({"window"}), frozenset({"window", "score_mod"})
+    monkeypatch.setattr(spec_module, "TILE80_FEATURES", frozenset({"window"}))
+    assert plan(window).block_m == 80 and not plan(window).persistent
+    assert plan(both, score_mod=relbias).block_m == 64  # the score_mod is not listed
+    assert plan(frozenset(), score_mod=relbias).block_m == 64
+    monkeypatch.setattr(spec_module, "TILE80_FEATURES", frozenset(spec_module.CALL_FEATURES))
+    assert plan(both, score_mod=relbias).block_m == 80
+    assert plan(frozenset({"mask_mod"}), mask_mod=_causal_mask_text()).block_m == 80
+    for other in (plan(None), plan(window, soft_cap=True), plan(window, head_dim=64), plan(window, head_dim=256)):
+        assert other.block_m != 80, other.name
+    built = [(v["persistent"], v["block_m"]) for v in VarlenBackwardSpec.prewarm_variants(
+        {"head_dim": 128, "dtype": "bfloat16", "score_mod": relbias}, ("9.0a",))]
+    assert built == [(False, 80)]  # with or without a window, either mode: one spec

@@ -313,12 +313,16 @@ def test_prewarm_lists_exactly_the_forward_specs_calls_run(launches, monkeypatch
     assert any(s.wgmma for s in ran) == ("9.0" in archs)  # the grid reached both rungs where it should
 
 
+@pytest.mark.parametrize("tile80", ["default", "all"])
 @pytest.mark.parametrize("archs", list(ARCHS), ids=lambda a: ";".join(a))
-def test_prewarm_lists_exactly_the_backward_specs_calls_run(monkeypatch, archs):
+def test_prewarm_lists_exactly_the_backward_specs_calls_run(monkeypatch, archs, tile80):
     """The same for the backward (VarlenBackwardSpec.for_call), over deterministic mode and full
-    and causal calls too."""
+    and causal calls too; with the 80-row tile as it is and on for every call feature."""
     from jitattn.jit.registry import spec_from_dict
     from jitattn.varlen import backward_launch
+
+    if tile80 == "all":
+        monkeypatch.setattr(spec_module, "TILE80_FEATURES", frozenset(spec_module.CALL_FEATURES))
 
     planned = []
 

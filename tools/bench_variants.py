@@ -11,7 +11,11 @@ D64 / D128 / D256 with its accuracy against float64.
 CUDA events, warm-up, cold L2 (rotating input sets), median over interleaved rounds
 (tools/bench_util.py).
 
-    python3 tools/bench_variants.py [--batch 8 --seqlen 4096 --heads 32 --head-dim 128] [--quick]
+With --rows80 each row also times jitattn's backward on the 80-row tile (forced by override_spec
+onto every D128 producer call, as spec.TILE80_FEATURES listing all call features would): the
+columns "bwd80" and its ratio to Flex.
+
+    python3 tools/bench_variants.py [--batch 8 --seqlen 4096 --heads 32 --head-dim 128] [--quick] [--rows80]
 """
 from __future__ import annotations
 
@@ -73,6 +77,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="*", default=None, help="variant names to run (substring match)")
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--parts", nargs="*", default=["variants", "builtin", "softcap"])
+    parser.add_argument("--rows80", action="store_true",
+                        help="also time the backward on the 80-row tile (D128: every call but a soft-capped one)")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds = 1
@@ -96,18 +102,20 @@ def _inputs(b, l, h, d, device, dtype=torch.bfloat16, grad=False):
     return sets
 
 
-def _fwd_bwd_timers(forward, sets, reps):
-    """(forward timer, forward + backward timer) over rotating sets; forward(q, k, v) -> out."""
+def _fwd_bwd_timers(forward, sets, reps, within=contextlib.nullcontext):
+    """(forward timer, forward + backward timer) over rotating sets; forward(q, k, v) -> out; each
+    call inside a `within()` block (an override of the plan)."""
     grads = [torch.randn_like(s[0]) for s in sets]
 
     def fwd(i):
-        with torch.no_grad():
+        with torch.no_grad(), within():
             forward(*sets[i])
 
     def fwd_bwd(i):
         q, k, v = sets[i]
-        out = forward(q, k, v)
-        torch.autograd.grad(out, (q, k, v), grads[i])
+        with within():
+            out = forward(q, k, v)
+            torch.autograd.grad(out, (q, k, v), grads[i])
 
     return (lambda: time_us([lambda i=i: fwd(i) for i in range(len(sets))], reps=reps),
             lambda: time_us([lambda i=i: fwd_bwd(i) for i in range(len(sets))], reps=reps))
@@ -157,8 +165,10 @@ def bench_variants(args, device):
             if "causal mask" in name or "sliding" in name:  # also through the mask hook, not lowered
                 rows.append((name + " (hook: JITATTN_LOWER_WINDOWS=0)", score_mod, mask_mod, False, (-1, -1)))
     print(f"\n### Variants: jitattn vs FlexAttention (torch.compile), bf16, {b} x {l}, {h} heads, D{d}; TFLOP/s\n")
-    print("| variant | jitattn fwd | Flex fwd | ratio | jitattn bwd | Flex bwd | ratio | fwd ms | bwd ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    rows80 = args.rows80 and d == 128
+    extra = " bwd80 | ratio80 | bwd80 ms |" if rows80 else ""
+    print(f"| variant | jitattn fwd | Flex fwd | ratio | jitattn bwd | Flex bwd | ratio | fwd ms | bwd ms |{extra}")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * (3 if rows80 else 0), flush=True)
     for name, score_mod, mask_mod, causal, window in rows:
         # Each row's Flex compiles afresh: past dynamo's recompile limit (8) flex_attention falls back to
         # its unfused eager path, which materializes the scores (out of memory at this size).
@@ -173,6 +183,8 @@ def bench_variants(args, device):
         timers = {}
         mine = ours(score_mod, mask_mod, window)
         timers["ours_f"], timers["ours_fb"] = _fwd_bwd_timers(mine, sets, reps)
+        if rows80:  # the same calls with the backward on the 80-row tile (its bwd: o80_fb less ours_f)
+            timers["o80_fb"] = _fwd_bwd_timers(mine, sets, reps, _tile80)[1]
         flex_causal = causal or window == (-1, 0) or window[0] >= 0
         if not args.no_flex:
             try:
@@ -192,8 +204,19 @@ def bench_variants(args, device):
         ff, fb = times.get("flex_f"), (times["flex_fb"] - times["flex_f"]) if "flex_f" in times else None
         tf = lambda t, k=1.0: f"{k * flops / t / 1e6:.0f}" if t else "-"  # noqa: E731
         ratio = lambda a, c: f"{c / a:.2f}x" if a and c else "-"  # noqa: E731
+        o80 = times["o80_fb"] - times["ours_f"] if rows80 else None
+        extra = f" {tf(o80, 2.5)} | {ratio(o80, fb)} | {o80 / 1e3:.2f} |" if rows80 else ""
         print(f"| {name} | {tf(of)} | {tf(ff)} | {ratio(of, ff)} | {tf(ob, 2.5)} | {tf(fb, 2.5)} | {ratio(ob, fb)} "
-              f"| {of / 1e3:.2f} | {ob / 1e3:.2f} |", flush=True)
+              f"| {of / 1e3:.2f} | {ob / 1e3:.2f} |{extra}", flush=True)
+
+
+def _tile80():
+    """The backward's 80-row tile on every D128 producer call but a soft-capped one (the plan's
+    choice where spec.TILE80_FEATURES lists every call feature)."""
+    from jitattn.varlen.plan import override_spec
+
+    return override_spec("varlen_backward", when={"producer": True, "head_dim": 128, "soft_cap": False},
+                         block_m=80, persistent=False)
 
 
 def _density(name, causal, window, l):

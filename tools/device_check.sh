@@ -15,7 +15,10 @@
 # pytest process (default 4 processes sharing the GPU, logs in $OUT/pytest.N.log). ROWS80=0 runs the
 # backward tests with full D128 calls on the 64-row kernels instead of the 80-row tile
 # (JITATTN_TEST_BACKWARD_ROWS80; spec.TILE80_HEAD_DIMS); ROWS80=1 adds tools/bwd_method.py's line
-# with the 80-row tile forced onto causal calls too (BENCH=bwd or variants). --profile adds the host
+# with the 80-row tile forced onto causal calls too (BENCH=bwd or variants) and bench_variants.py's
+# bwd80 columns; ROWS80=all runs every GPU test with every D128 backward call but a soft-capped one on
+# the 80-row tile (windows, score_mods, mask_mods: spec.TILE80_FEATURES), JIT on (the seed's manifests
+# list the plan's choice, not these), and the benchmarks as ROWS80=1. --profile adds the host
 # breakdown, per-kernel times and the split sweep; NCU=1 also an ncu summary of the kernels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +53,11 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 status=0
 [ "${ROWS80:-}" = 0 ] && export JITATTN_TEST_BACKWARD_ROWS80=0 && echo "the backward tests with the 80-row tile off"
+if [ "${ROWS80:-}" = all ]; then
+  export JITATTN_TEST_BACKWARD_ROWS80=all JITATTN_DISABLE_JIT=0
+  echo "the GPU tests with every D128 backward call but a soft-capped one on the 80-row tile (JIT on)"
+fi
+rows80_bench=$([ "${ROWS80:-}" = 1 ] || [ "${ROWS80:-}" = all ] && echo --rows80)
 if [ "${TESTS:-1}" = 1 ] && [ "${SHARDS:-4}" -gt 1 ]; then
   # SHARDS (default 4) pytest processes share the GPU, each every SHARDS-th test: the GPU suite is
   # host-bound (references, checks), and one process took 5+ minutes where four take under two.
@@ -101,7 +109,7 @@ fi
 #   variants: tools/bench_variants.py (variants vs FlexAttention, masks vs windows, the soft cap's cost),
 #     then bwd (below)
 #   bwd: tools/bwd_method.py (the backward column taken apart, with torch.profiler per step; with
-#     ROWS80=1 a line with the 80-row tile forced onto causal calls too)
+#     ROWS80=1 or all a line with the 80-row tile forced onto causal calls too)
 #   sweep: tools/bench_sweep.py --quick (forward / backward TFLOP/s against sequence length, decode TB/s
 #     against kv length, beside the peers) -> $OUT/sweep.json, which tools/plot_benchmarks.py draws
 #   persistent: the forward's other schedule at D64 / D128 / D256 (a CTA per row block where calls
@@ -142,9 +150,9 @@ wants sweep && python3 tools/bench_sweep.py --quick --json "$OUT/sweep.json" 2>&
 # Variants (issue 46): the acceptance set beside FlexAttention, masks beside the built-in window, the
 # soft cap's cost (VARIANTS_ARGS go to tools/bench_variants.py, e.g. --quick or --parts softcap). It
 # compiles the variant kernels it meets (JIT on, into the writable cache).
-wants variants && JITATTN_DISABLE_JIT=0 python3 tools/bench_variants.py ${VARIANTS_ARGS:-} 2>&1 \
+wants variants && JITATTN_DISABLE_JIT=0 python3 tools/bench_variants.py ${VARIANTS_ARGS:-} $rows80_bench 2>&1 \
   | tee "$OUT/bench_variants.log"
 # What the variants table's backward column holds (the kernels alone, the grad path's host enqueue).
-{ wants variants || wants bwd; } && JITATTN_DISABLE_JIT=0 python3 tools/bwd_method.py --profile $([ "${ROWS80:-}" = 1 ] && echo --rows80) 2>&1 \
+{ wants variants || wants bwd; } && JITATTN_DISABLE_JIT=0 python3 tools/bwd_method.py --profile $rows80_bench 2>&1 \
   | tee "$OUT/bwd_method.log"
 exit $status

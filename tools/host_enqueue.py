@@ -94,7 +94,7 @@ def backward_parts(batch: int, seqlen: int, heads: int = 32, head_dim: int = 128
     backward()  # planned and built
     hopper = torch.cuda.get_device_capability() == (9, 0)
     spec = VarlenBackwardSpec.for_call(head_dim, check.DTYPE_NAMES[q.dtype], False, False, hopper,
-                                       hopper and backward_launch.wgmma_allowed(q.device))
+                                       hopper and backward_launch.wgmma_allowed(q.device), frozenset())  # a full call
     run = get_module(spec).ops.run.default
     layout = mask_map_layout(spec)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -82,12 +82,13 @@ def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tens
         grad_lse = None
     hopper = is_hopper(query.device)
     # for_call's arguments in its order (head_dim, dtype, soft cap, deterministic, sm_90,
-    # JITATTN_WGMMA there, a full call), then the override state
+    # JITATTN_WGMMA there, what the call adds to a full one), then the override state
     # (and the variants' canonical texts)
     variants = (score_mod.key_text if score_mod else "", mask_mod.key_text if mask_mod else "")
-    full = left < 0 and right < 0 and score_mod is None and mask_mod is None and softcap == 0  # for_call's `full`
+    features = frozenset(name for name, has in (("window", left >= 0 or right >= 0), ("score_mod", score_mod is not None),
+                                                ("mask_mod", mask_mod is not None)) if has)
     facts = (head_dim, query.dtype, softcap > 0, bool(deterministic), hopper, hopper and env.wgmma_enabled(),
-             full, overrides.state(), variants)
+             features, overrides.state(), variants)
     entry = _kernels.get(facts)
     if entry is None:
         spec = VarlenBackwardSpec.for_call(head_dim, check.DTYPE_NAMES[query.dtype], *facts[2:7],

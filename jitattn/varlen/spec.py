@@ -53,6 +53,13 @@ PERSISTENT_HEAD_DIMS: frozenset[int] = frozenset({128})
 # and benchmarks can turn it off. TILE80_FITS: the head dims the template builds it at.
 TILE80_HEAD_DIMS: frozenset[int] = frozenset({128})
 TILE80_FITS: frozenset[int] = frozenset({128})
+# What a backward call adds to a full one (VarlenBackwardSpec.for_call's `features`), and which of
+# those the 80-row tile also takes (a call takes it when every feature it has is listed). The
+# template builds every one of them at 80 rows (a window's masked tiles, a score_mod's scores and
+# slope, a mask_mod's hook and map; the soft cap's variant it does not); none is listed until a GPU
+# run shows them correct and faster: JITATTN_TEST_BACKWARD_ROWS80=all runs the GPU suite with all.
+CALL_FEATURES: tuple[str, ...] = ("window", "score_mod", "mask_mod")
+TILE80_FEATURES: frozenset[str] = frozenset()
 
 
 @functools.lru_cache(maxsize=256)
@@ -451,19 +458,23 @@ class VarlenBackwardSpec(KernelSpec):
 
     @classmethod
     def for_call(cls, head_dim: int, dtype: str, soft_cap: bool, deterministic: bool, hopper: bool,
-                 wgmma_enabled: bool = True, full: bool = False, **chosen) -> "VarlenBackwardSpec":
+                 wgmma_enabled: bool = True, features: frozenset[str] | None = None,
+                 **chosen) -> "VarlenBackwardSpec":
         """The spec a backward call runs: the Hopper rung on sm_90 where it covers the head_dim
         and JITATTN_WGMMA allows it (with the producer, dq_kernel and persistent at their head
         dims, persistent never in deterministic mode), else mma.sync; the soft cap's variant when
-        the forward had one. `full`: the call has no window, no mask_mod and no soft cap (then
-        80 query rows a step at TILE80_HEAD_DIMS). `chosen` and the overrides as for
-        VarlenSpec.for_call."""
+        the forward had one. `features`: what the call adds to a full one (CALL_FEATURES; empty:
+        a full call; None: not known, as for a call that may have any): 80 query rows a step at
+        TILE80_HEAD_DIMS where TILE80_FEATURES lists every one of them and there is no soft cap.
+        `chosen` and the overrides as for VarlenSpec.for_call."""
         def choose(fixed: dict) -> "VarlenBackwardSpec":
             wgmma = fixed.get("wgmma", hopper and wgmma_enabled and cls.wgmma_fits(head_dim))
             producer = fixed.get("producer", wgmma and head_dim in PRODUCER_HEAD_DIMS)
             dq_kernel = fixed.get("dq_kernel", producer and head_dim in DQ_KERNEL_HEAD_DIMS)
-            rows80 = (producer and full and not soft_cap and head_dim in TILE80_HEAD_DIMS and not fixed.get("persistent")
-                      and not fixed.get("dq_kernel") and not fixed.get("score_mod") and not fixed.get("mask_mod"))
+            has = None if features is None else (
+                set(features) | {name for name in ("score_mod", "mask_mod") if fixed.get(name)})
+            rows80 = (producer and has is not None and has <= TILE80_FEATURES and not soft_cap
+                      and head_dim in TILE80_HEAD_DIMS and not fixed.get("persistent") and not fixed.get("dq_kernel"))
             block_m = fixed.get("block_m", 80 if rows80 else 0)
             persistent = fixed.get("persistent", producer and head_dim in PERSISTENT_HEAD_DIMS and not deterministic
                                    and block_m != 80)
@@ -476,17 +487,18 @@ class VarlenBackwardSpec(KernelSpec):
     @classmethod
     def prewarm_variants(cls, fields: dict, archs: tuple[str, ...]) -> list[dict]:
         """Every spec a backward call with these fields may run on `archs`: `for_call` over both
-        modes (deterministic or not), full calls or not, and sm_90 or not by `archs`, JITATTN_WGMMA
-        as set now; named fields fix their values."""
+        modes (deterministic or not), with a window or not (the variants' features from the
+        fields), and sm_90 or not by `archs`, JITATTN_WGMMA as set now; named fields fix their values."""
         from jitattn.jit import env
 
         base = {k: v for k, v in fields.items() if k not in ("head_dim", "dtype", "soft_cap")}
         wgmma_enabled = env.wgmma_enabled()
+        variants = frozenset(name for name in ("score_mod", "mask_mod") if fields.get(name))
         return _unique([_fields_of(cls.for_call(fields.get("head_dim", 0), fields.get("dtype", "float16"),
                                                 fields.get("soft_cap", False), deterministic, hopper, wgmma_enabled,
-                                                full, **base))
+                                                variants | window, **base))
                         for hopper in _archs_facts(archs) for deterministic in (False, True)
-                        for full in (False, True)])
+                        for window in (frozenset({"window"}), frozenset())])
 
     def __post_init__(self):
         self.validate_fields()
@@ -523,7 +535,7 @@ class VarlenBackwardSpec(KernelSpec):
         rows80 = self.wgmma and self.block_m == 80
         if rows80 and not (self.producer and self.head_dim in TILE80_FITS and not self.persistent
                            and not self.dq_kernel and not self.soft_cap):
-            raise ValueError(f"varlen_backward block_m=80 is the producer kernel's full-call tile at head_dim "
+            raise ValueError(f"varlen_backward block_m=80 is the producer kernel's 80-row tile at head_dim "
                              f"{sorted(TILE80_FITS)}, a CTA per key tile, without a soft cap (got head_dim="
                              f"{self.head_dim}, producer={self.producer}, persistent={self.persistent}, "
                              f"soft_cap={self.soft_cap})")
