@@ -104,6 +104,23 @@ def test_spec_fields_key_and_name_the_variant():
     assert f"_sm{ALIBI.digest}" in backward.name and "score_mod_source" not in backward.to_dict()
 
 
+def test_the_key_follows_the_code_jitattns_renderer_writes_not_only_the_fields(monkeypatch):
+    """A changed renderer (a fix in jitattn/variants/render.py, no template touched) must not load
+    the entry the old one built: the key hashes the template parameters' digest too."""
+    import jitattn.variants as variants
+
+    target = keys.BuildTarget(("9.0a",), "13.0", "gcc")
+    specs = [VarlenBackwardSpec.for_call(128, "bfloat16", False, False, True, score_mod=ALIBI.key_text),
+             VarlenSpec.for_call(128, "bfloat16", False, False, False, False, True, score_mod=ALIBI.key_text)]
+    before = [keys.components(spec, target) for spec in specs]
+    real = variants.render_score_mod
+    monkeypatch.setattr(variants, "render_score_mod", lambda v, *rest: real(v, *rest) + "// another renderer\n")
+    for spec, old in zip(specs, before):
+        new = keys.components(spec, target)
+        assert keys.differing(new, old) == ["params"], spec.name
+        assert keys.key_of(new) != keys.key_of(old)
+
+
 @pytest.mark.parametrize("text,words", [
     ('{"kind":"score_mod","tree":["sin",["arg","score"]],"captures":[]}', ["score_mod", "sin"]),
     ('{"kind":"score_mod","tree":["arg","b"],"captures":[]}', ["score_mod"]),

@@ -1,10 +1,12 @@
 """The content key of a specialization for a build target, and its named components.
 
 The key hashes content, never mtimes or paths: the template sources the spec renders from
-(every file reachable through includes, by relative path and bytes) and the spec's parameters,
-which together fix the rendered source text exactly; the normalized compile flags; the sorted
-target archs; the stable-ABI target; the cache schema; the nvcc release and host compiler
-version. `components()` lists them so `jitattn explain` can say why two keys differ.
+(every file reachable through includes, by relative path and bytes), the spec's fields, and a
+digest of the parameters the templates read (`spec.params()`: the fields and what Python derives
+from them, a variant's C++ that jitattn/variants/render.py writes among them), which together fix
+the rendered source text exactly; the normalized compile flags; the sorted target archs; the
+stable-ABI target; the cache schema; the nvcc release and host compiler version. `components()`
+lists them so `jitattn explain` can say why two keys differ.
 """
 from __future__ import annotations
 
@@ -56,6 +58,13 @@ def cuda_flags(archs: tuple[str, ...]) -> list[str]:
     return [*CUDA_FLAGS, *gencode_flags(archs)]
 
 
+def params_digest(spec: KernelSpec) -> str:
+    """sha256 of the parameters the spec's templates render from. The fields alone do not fix the
+    source: a change to the Python that derives parameters from them (a variant's renderer, the
+    derivative's simplifier) would otherwise load an entry built from the old code."""
+    return hashlib.sha256(json.dumps(spec.params(), sort_keys=True).encode()).hexdigest()
+
+
 def components(spec: KernelSpec, target: BuildTarget) -> dict:
     return {
         "schema": CACHE_SCHEMA,
@@ -65,6 +74,7 @@ def components(spec: KernelSpec, target: BuildTarget) -> dict:
         "cuda_flags": cuda_flags(target.archs),
         "spec": spec.to_dict(),
         "templates": spec_template_digest(spec),
+        "params": params_digest(spec),
         "nvcc": target.nvcc,
         "host_cxx": target.host_cxx,
     }
