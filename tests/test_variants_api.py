@@ -181,6 +181,51 @@ def test_the_acceptance_manifest_is_current_and_prewarms_on_a_cpu_box(tmp_path):
     assert sum("_mm" not in name and "_sm" not in name for name in names) == 2
 
 
+BIAS_TABLE = trace_score_mod(gallery.bias_table(torch.rand(4, 63), 31))
+
+
+def test_unit_slope_marks_score_mods_whose_slope_is_one():
+    """ScoreMod::UNIT_SLOPE (score.cuh): a bias of the indices alone, KV_AFFINE or not; never a soft cap."""
+    from jitattn.variants import render_score_mod
+
+    for variant, unit in ((BIAS_TABLE, True), (ALIBI, True), (trace_score_mod(gallery.relative_position), True),
+                          (trace_score_mod(gallery.soft_cap(30.0)), False)):
+        assert f"UNIT_SLOPE = {'true' if unit else 'false'};" in render_score_mod(variant), variant.key_text
+
+
+def test_early_unit_slope_probs_is_a_parameter_of_score_mod_backwards_in_their_keys(monkeypatch):
+    """spec.EARLY_UNIT_SLOPE_PROBS: off by default; on, a score_mod's backward renders with it (a
+    new key, through the parameters' digest), a backward without one is the same kernel."""
+    from jitattn.varlen import spec as spec_module
+
+    target = keys.BuildTarget(("9.0a",), "13.0", "gcc")
+    table = VarlenBackwardSpec.for_call(128, "bfloat16", False, False, True, score_mod=BIAS_TABLE.key_text)
+    plain = VarlenBackwardSpec.for_call(128, "bfloat16", False, False, True)
+    assert not table.params()["early_unit_slope_probs"]
+    before = [keys.key_of(keys.components(spec, target)) for spec in (table, plain)]
+    monkeypatch.setattr(spec_module, "EARLY_UNIT_SLOPE_PROBS", True)
+    assert table.params()["early_unit_slope_probs"] and not plain.params()["early_unit_slope_probs"]
+    after = [keys.key_of(keys.components(spec, target)) for spec in (table, plain)]
+    assert after[0] != before[0] and after[1] == before[1]
+
+
+@pytest.mark.compile
+def test_a_bias_tables_backward_builds_with_its_probs_under_the_dp_gemm(cache_root, monkeypatch):
+    """A real build (nvcc, in this process) of the bias table's wgmma backward with
+    spec.EARLY_UNIT_SLOPE_PROBS on: the rung's P^T-only walk (scored_probs_to_dscores<false>) compiles."""
+    require_nvcc()
+    from jitattn.jit import prewarm
+    from jitattn.varlen import spec as spec_module
+
+    monkeypatch.setenv("JITATTN_CUDA_ARCH_LIST", "9.0")
+    monkeypatch.setattr(spec_module, "EARLY_UNIT_SLOPE_PROBS", True)
+    spec = VarlenBackwardSpec.for_call(128, "bfloat16", False, False, True, score_mod=BIAS_TABLE.key_text)
+    outcome = prewarm.build_one(spec, force=True)
+    assert outcome.status == "built", outcome
+    sources = [path.read_text() for path in cache_root.rglob("kernels.cu")]
+    assert len(sources) == 1 and "constexpr bool EARLY_UNIT_SLOPE_PROBS = true;" in sources[0]
+
+
 @pytest.mark.compile
 def test_a_variant_spec_with_every_capture_dtype_builds(tmp_path, monkeypatch):
     """A real build (nvcc, torch's flags) of a forward and a backward whose variants read a capture

@@ -379,6 +379,7 @@ def render_score_mod(v: Variant, qualifiers: str = "__device__ __forceinline__")
         "  static constexpr bool ACTIVE = true;\n"
         f"  static constexpr bool KV_AFFINE = {literal(affine is not None)};\n"
         f"  static constexpr bool PAIR_READS = {literal(pair_reads(v))};\n"
+        f"  static constexpr bool UNIT_SLOPE = {literal(slope == ('const', 1.0))};\n"
         "  const jitattn_variant::Capture* caps;\n"
         "  float scale, inv_scale;\n"
         "  template <class Params>\n"

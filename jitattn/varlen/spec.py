@@ -60,6 +60,12 @@ TILE80_FITS: frozenset[int] = frozenset({128})
 # run shows them correct and faster: JITATTN_TEST_BACKWARD_ROWS80=all runs the GPU suite with all.
 CALL_FEATURES: tuple[str, ...] = ("window", "score_mod", "mask_mod")
 TILE80_FEATURES: frozenset[str] = frozenset()
+# The wgmma backward computes P^T of a score_mod whose slope is 1 but that is not KV_AFFINE (a bias
+# table: score + bias[h, q_idx - kv_idx]) while dP^T's GEMM runs, as without a hook, instead of
+# with dS^T after both GEMMs (templates/varlen/backward_wgmma.cuh). A template parameter (in the
+# keys through the parameters' digest); off until a GPU run shows it correct and faster:
+# JITATTN_TEST_BACKWARD_EARLY_PROBS=1 runs the GPU suite with it, bench_variants.py --early-probs times it.
+EARLY_UNIT_SLOPE_PROBS: bool = False
 
 
 @functools.lru_cache(maxsize=256)
@@ -617,7 +623,8 @@ class VarlenBackwardSpec(KernelSpec):
                 f"{'x' if self.exact_soft_cap else ''}{_variant_tag(self)}_n{self.block_n}m{self.block_m}q{self.warps_q}")
 
     def params(self) -> dict:
-        return {**super().params(), **_variant_params(self)}
+        early = EARLY_UNIT_SLOPE_PROBS and bool(self.score_mod)  # only a score_mod's kernels change
+        return {**super().params(), **_variant_params(self), "early_unit_slope_probs": early}
 
     def to_dict(self) -> dict:
         return {"family": self.family, **super().params()}

@@ -161,7 +161,9 @@ __device__ __forceinline__ void probs_to_dscores(const float (&pt)[TILES][4], fl
 // place in one pass: P^T from the hook's score, dS^T times its slope dscore (scale is applied to
 // dQ and dK later), so the score is needed at both steps and never stored. Element (t, e): key
 // key0 + g (+ 8 for e >= 2) of the key tile, packed row m * BLOCK_M + q0 + 8 t + 2 c + (e & 1).
-template <int TILES>
+// DSCORES = false: P^T alone (dp and d untouched), for a UNIT_SLOPE hook whose dS^T is then
+// probs_to_dscores' as without one (EARLY_UNIT_SLOPE_PROBS).
+template <bool DSCORES = true, int TILES>
 __device__ __forceinline__ void scored_probs_to_dscores(const BwdParams& p, const Work& w, int m, int key0, int q0,
                                                         int g, int c, float (&s)[TILES][4], float (&dp)[TILES][4],
                                                         const float2 (&l)[TILES], const float2 (&d)[TILES],
@@ -173,7 +175,8 @@ __device__ __forceinline__ void scored_probs_to_dscores(const BwdParams& p, cons
     const float raw = s[t][e];
     const float score = score_mod.score(raw, w.seq, head, q_idx, kv);
     s[t][e] = fast_exp2(fmaf(score, sl2, -((e & 1) ? l[t].y : l[t].x)));
-    dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? d[t].y : d[t].x)) * score_mod.dscore(raw, score, w.seq, head, q_idx, kv);
+    if constexpr (DSCORES)
+      dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? d[t].y : d[t].x)) * score_mod.dscore(raw, score, w.seq, head, q_idx, kv);
   };
   // The thread's query columns, base + 8 t and base + 8 t + 1, stepped rather than divided by
   // pack per element (a user score_mod reads their token and head).

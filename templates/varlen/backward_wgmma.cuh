@@ -246,7 +246,10 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
     auto& s4 = reinterpret_cast<float(&)[Q_TILES][4]>(s);
     auto& dp4 = reinterpret_cast<float(&)[Q_TILES][4]>(dp);
     float2 l[Q_TILES], d[Q_TILES];
-    if constexpr (ScoreMod::ACTIVE && !ScoreMod::KV_AFFINE) {  // dS^T needs the score of S^T too: both at once, after both GEMMs
+    // A hook whose slope is not 1 needs the score at dS^T too: P^T and dS^T at once, after both GEMMs.
+    constexpr bool BOTH_AFTER = ScoreMod::ACTIVE && !ScoreMod::KV_AFFINE &&
+                                !(EARLY_UNIT_SLOPE_PROBS && ScoreMod::UNIT_SLOPE);
+    if constexpr (BOTH_AFTER) {
       wgmma_wait<0>();
       wgmma_pin(s);
       wgmma_pin(dp);
@@ -260,6 +263,9 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
       wgmma_pin(s);
       if constexpr (ScoreMod::KV_AFFINE) {  // a bias: P^T takes it, dS^T is as without one
         affine_scores_to_probs(s4, lse2, q0, c, key0, g, sl2);
+      } else if constexpr (ScoreMod::ACTIVE) {  // UNIT_SLOPE: P^T by the hook, dS^T as without one
+        load_row_stats(l, lse2, q0, c);
+        scored_probs_to_dscores<false>(p, w, m, key0, q0, g, c, s4, s4, l, l, sl2);
       } else {
         load_row_stats(l, lse2, q0, c);
         scores_to_probs(s4, l, sl2);
@@ -273,7 +279,7 @@ __global__ void __launch_bounds__(THREADS, 1) varlen_bwd(const __grid_constant__
       load_row_stats(d, delta, q0, c);
       probs_to_dscores(s4, dp4, d);
     }
-    if constexpr (ScoreMod::ACTIVE && !ScoreMod::KV_AFFINE) {
+    if constexpr (BOTH_AFTER) {
       if (tile.masked) mask_hidden(p, w, m, key0, q0, g, c, tile.hook, s4, dp4);
     }
 

@@ -12,12 +12,14 @@
 // turns into one FMA per logit (fwd_softmax.cuh's score_tile); only a user's bias can be.
 // PAIR_READS: score() reads a captured tensor at an index of both q_idx and kv_idx (a relative
 // position table); without GQA packing the kernels then step q_idx by constants, so that the
-// compiler sees equal q_idx - kv_idx as one read.
+// compiler sees equal q_idx - kv_idx as one read. UNIT_SLOPE: dscore() is 1 (score + a bias of
+// the indices alone, KV_AFFINE or not: a bias table's), so the backward's dS^T is as without a hook.
 
 struct IdentityScore {
   static constexpr bool ACTIVE = false;
   static constexpr bool KV_AFFINE = false;
   static constexpr bool PAIR_READS = false;
+  static constexpr bool UNIT_SLOPE = true;
   template <class Params>
   __device__ __forceinline__ explicit IdentityScore(const Params&) {}
   __device__ __forceinline__ float score(float s, int, int, int, int) const { return s; }
@@ -35,6 +37,7 @@ struct SoftCapScore {
   static constexpr bool ACTIVE = true;
   static constexpr bool KV_AFFINE = false;
   static constexpr bool PAIR_READS = false;
+  static constexpr bool UNIT_SLOPE = false;
   float cap_scale;
   template <class Params>
   __device__ __forceinline__ explicit SoftCapScore(const Params& p) : cap_scale(p.cap_scale) {}
