@@ -312,7 +312,7 @@ def test_pair_reads_marks_a_table_read_at_both_positions_only():
 
 
 ALLOWED_WORDS = set("""
-struct static constexpr bool ACTIVE KV_AFFINE PAIR_READS kv_slope true false const jitattn_variant Capture caps float int scale
+struct static constexpr bool ACTIVE KV_AFFINE PAIR_READS UNIT_SLOPE kv_slope true false const jitattn_variant Capture caps float int scale
 inv_scale template
 class Params __device__ __forceinline__ __host__ explicit p captures nullptr score s b h q_idx kv_idx return dscore sc
 MaskMod ScoreMod DATA_DEPENDENT USES_HEAD pack visible TileClass classify kv_head q_lo q_hi kv_lo kv_hi TILE_EMPTY TILE_FULL TILE_PARTIAL
