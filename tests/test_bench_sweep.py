@@ -1,7 +1,6 @@
 """The sweep benchmark's non-GPU parts (tools/bench_sweep.py: plan, records, JSON schema) and the
 plots drawn from its JSON (tools/plot_benchmarks.py)."""
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -45,8 +44,7 @@ def test_plan_names_an_unknown_area():
         plan(["forward", "prefill"])
 
 
-def test_throughput_counts_unmasked_flops_and_decode_bytes():
-    rng = random.Random()
+def test_throughput_counts_unmasked_flops_and_decode_bytes(rng):
     us = rng.uniform(50, 5000)
     full = Case("forward", 128, False, 4096, 8, 16, 16)
     causal = Case("forward", 128, True, 4096, 8, 16, 16)
@@ -62,8 +60,8 @@ def test_throughput_counts_unmasked_flops_and_decode_bytes():
         throughput(full, 0.0)
 
 
-def test_records_follow_the_schema_and_survive_json():
-    records = random_records(random.Random())
+def test_records_follow_the_schema_and_survive_json(rng):
+    records = random_records(rng)
     assert all(set(r) == set(bench_sweep.RECORD_KEYS) for r in records)
     assert {r["unit"] for r in records if r["area"] == "decode"} == {"TB/s"}
     assert {r["unit"] for r in records if r["area"] != "decode"} == {"TFLOP/s"}
@@ -79,15 +77,15 @@ def test_records_follow_the_schema_and_survive_json():
     (lambda r: r.update(causal="yes"), r"\.causal: expected"),
     (lambda r: r.update(date="yesterday"), "Invalid isoformat|yesterday"),
 ])
-def test_a_bad_record_is_named(change, message):
-    records = random_records(random.Random())
-    change(records[random.choice([i for i, r in enumerate(records) if r["area"] == "forward"])])
+def test_a_bad_record_is_named(change, message, rng):
+    records = random_records(rng)
+    change(records[rng.choice([i for i, r in enumerate(records) if r["area"] == "forward"])])
     with pytest.raises(ValueError, match=message):
         validate_records(records)
 
 
-def test_text_table_has_a_column_per_impl_and_a_row_per_point():
-    records = random_records(random.Random())
+def test_text_table_has_a_column_per_impl_and_a_row_per_point(rng):
+    records = random_records(rng)
     table = bench_sweep.text_table(records).splitlines()
     points = {(r["area"], r["head_dim"], r["causal"], r["seqlen"]) for r in records}
     assert len(table) == 2 + len(points)
@@ -107,11 +105,11 @@ def test_dry_run_prints_the_plan_without_a_gpu():
     assert lines[-1].startswith(f"{len(expected)} cases")
 
 
-def test_plots_are_drawn_for_each_area_from_the_json(tmp_path):
+def test_plots_are_drawn_for_each_area_from_the_json(tmp_path, rng):
     pytest.importorskip("matplotlib")
     import plot_benchmarks
 
-    records = random_records(random.Random())
+    records = random_records(rng)
     results = tmp_path / "sweep.json"
     results.write_text(json.dumps(records))
     assert plot_benchmarks.main([str(results), "--out", str(tmp_path / "img")]) == 0
@@ -126,11 +124,11 @@ def test_plots_are_drawn_for_each_area_from_the_json(tmp_path):
     assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["forward.png"]
 
 
-def test_plot_panels_put_jitattn_first_and_sort_lengths():
+def test_plot_panels_put_jitattn_first_and_sort_lengths(rng):
     import plot_benchmarks
 
-    records = random_records(random.Random())
-    random.shuffle(records)
+    records = random_records(rng)
+    rng.shuffle(records)
     grid = plot_benchmarks.panels(records, "backward")
     assert set(grid) == {(d, m) for d in (64, 128, 256) for m in (False, True)}
     for impls in grid.values():
@@ -148,10 +146,9 @@ def test_the_committed_plots_match_the_committed_numbers():
     assert {r["impl"] for r in records} >= {"jitattn", "sdpa"}
 
 
-def test_collect_times_every_impl_in_turn_and_drops_one_that_fails():
+def test_collect_times_every_impl_in_turn_and_drops_one_that_fails(rng):
     from bench_util import interleaved_us
 
-    rng = random.Random()
     cases = plan(["forward", "decode"], quick=True)[:2] + plan(["decode"], quick=True)[:1]
     calls, times = [], {}
 

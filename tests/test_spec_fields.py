@@ -6,7 +6,6 @@ compiler runs. The issue's reproductions are the cases here; nothing in this fil
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 
@@ -254,8 +253,7 @@ def test_cache_writes_stay_under_the_root(tmp_path):
     assert cache.check_within(tmp_path / "root", inside) == inside
 
 
-def test_fresh_random_specs_round_trip_through_their_dict():
-    rng = random.Random()
+def test_fresh_random_specs_round_trip_through_their_dict(rng):
     for _ in range(50):
         fields = {"family": "decode", "head_dim": rng.choice(range(32, 257, 32)),
                   "dtype_q": rng.choice(["float16", "bfloat16"]), "pos_encoding": rng.choice(["NONE", "ROPE_LLAMA", "ALIBI"]),

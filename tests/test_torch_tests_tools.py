@@ -2,7 +2,6 @@
 plugin's modes and per-test call counts (tools/jitattn_torch_tests_plugin.py) and the report's
 grouping and known causes (tools/torch_tests_report.py), on synthetic junit XML and tiny test files."""
 import os
-import random
 import subprocess
 import sys
 import textwrap
@@ -47,8 +46,8 @@ COLLECTION_ERROR = ('<testcase classname="" name="test_varlen_attention" time="0
 POSITIONAL = "TypeError: varlen_attn() takes 7 positional arguments but 8 were given"
 
 
-def test_parse_junit_reads_outcomes_messages_and_call_counts():
-    forward, backward = random.randint(1, 50), random.randint(0, 50)
+def test_parse_junit_reads_outcomes_messages_and_call_counts(rng):
+    forward, backward = rng.randint(1, 50), rng.randint(0, 50)
     run = report.parse_junit(junit(case("test_a_cuda", calls=(forward, backward, 0)),
                                    case("test_b_cuda", "failed", POSITIONAL, calls=(0, 0, 0)),
                                    case("test_c_cuda", "skipped", "FA3 backend not available"),
@@ -72,13 +71,13 @@ def test_a_collection_error_marks_every_test_of_that_mode_with_its_exception():
     assert "did not import" in report.summary_line(runs)
 
 
-def test_parametrizations_group_under_their_test_where_outcomes_agree(tmp_path):
+def test_parametrizations_group_under_their_test_where_outcomes_agree(tmp_path, rng):
     test_file = tmp_path / "test_varlen_attention.py"
     test_file.write_text("class T:\n    def test_varlen_vs_sdpa(self):\n        pass\n\n"
                          "    def test_varlen_vs_sdpa_extra(self):\n        pass\n")
     known = report.method_names_in(test_file)
     assert known == ["test_varlen_vs_sdpa_extra", "test_varlen_vs_sdpa"]
-    n_pass, n_fail = random.randint(2, 9), random.randint(1, 5)
+    n_pass, n_fail = rng.randint(2, 9), rng.randint(1, 5)
     passing = [f"test_varlen_vs_sdpa_bfloat16_scale0_window_size{i}_cuda" for i in range(n_pass)]
     failing = [f"test_varlen_vs_sdpa_float16_scale0_window_size{i}_cuda" for i in range(n_fail)]
     runs = {"off": report.parse_junit(junit(*[case(n, "failed", POSITIONAL) for n in passing + failing])),
@@ -252,12 +251,12 @@ def test_stand_ins_are_added_only_where_torch_lacks_the_name():
     assert decorated(41) == 42
 
 
-def test_a_pass_that_only_fell_back_says_so_and_a_pass_through_jitattn_says_nothing():
+def test_a_pass_that_only_fell_back_says_so_and_a_pass_through_jitattn_says_nothing(rng):
     def reason(calls):
         return report.reasons_for("test_flash_cuda", {"provider": report.Result("passed", "", calls)})
 
-    assert "fallback" in reason((0, 0, random.randint(1, 9)))
-    assert reason((random.randint(1, 9), 1, 2)) == ""
+    assert "fallback" in reason((0, 0, rng.randint(1, 9)))
+    assert reason((rng.randint(1, 9), 1, 2)) == ""
     assert reason((0, 0, 0)) == ""
 
 

@@ -6,7 +6,6 @@ Python mirror and the reference."""
 from __future__ import annotations
 
 import math
-import random
 import re
 import subprocess
 
@@ -94,9 +93,8 @@ def random_box(rng, pack, span=N_TOKENS):
 
 
 @pytest.mark.parametrize("name", MASK_NAMES)
-def test_classify_is_sound_and_exact_where_the_issue_asks(name):
+def test_classify_is_sound_and_exact_where_the_issue_asks(name, rng):
     v = trace_mask_mod(acceptance_set()[name][1])
-    rng = random.Random()
     exact = name in ("causal", "sliding_window", "prefix_lm")
     verdicts = set()
     for _ in range(400):
@@ -192,8 +190,7 @@ def random_mask_tree(rng, depth=0):
     return boolean(depth)
 
 
-def test_classify_is_sound_on_random_masks():
-    rng = random.Random()
+def test_classify_is_sound_on_random_masks(rng):
     table = torch.randint(-6, 30, (N_HEADS, N_TOKENS), dtype=torch.int32)
     checked = 0
     for _ in range(150):
@@ -327,10 +324,9 @@ Preloaded preload pre
                            "bne", "and", "or", "not")}
 
 
-def test_rendered_code_uses_only_jitattns_own_words_on_random_trees():
+def test_rendered_code_uses_only_jitattns_own_words_on_random_trees(rng):
     from tests.test_variants_trace import random_valid_tree
 
-    rng = random.Random()
     for _ in range(100):
         for kind in ("score_mod", "mask_mod"):
             v = Variant(kind, random_valid_tree(rng, kind), (("float32", 1), ("int32", 2)))
@@ -424,12 +420,11 @@ def c_array(tensor):
 
 
 @pytest.mark.compile
-def test_a_host_build_of_the_rendered_code_agrees_with_the_mirror_and_the_reference(tmp_path):
+def test_a_host_build_of_the_rendered_code_agrees_with_the_mirror_and_the_reference(tmp_path, rng):
     """The rendered visible/classify/score/dscore and variant.cuh's helpers, compiled by nvcc
     for the host and run: classify equals interval.py's verdict, visible the reference, score and
     dscore the float64 reference within fp32 error."""
     compiler = nvcc()
-    rng = random.Random()
     variants, sources = all_rendered("__host__ __device__ __forceinline__")
     table = torch.randint(-6, 30, (N_HEADS, N_TOKENS), dtype=torch.int32)
     randoms = [Variant("mask_mod", random_mask_tree(rng), (("int32", 2),), (table,)) for _ in range(40)]
@@ -536,7 +531,7 @@ def test_a_host_build_of_the_rendered_code_agrees_with_the_mirror_and_the_refere
 
 
 @pytest.mark.compile
-def test_variant_math_helpers_are_accurate_to_a_few_ulp_on_the_host(tmp_path):
+def test_variant_math_helpers_are_accurate_to_a_few_ulp_on_the_host(tmp_path, rng):
     """vtanh (polynomial below 1/4, exp2 form above), vsigmoid, vexp and the floor division / modulo
     helpers, built by nvcc for the host (where vexp2 is exp2f: the device's ex2.approx is the GPU
     suite's to check), against float64 and Python."""
@@ -557,8 +552,8 @@ int main() {
     assert built.returncode == 0, built.stderr[-3000:]
     xs = torch.cat([torch.randn(3000) * 3, torch.randn(1000) * 0.2, torch.randn(500) * 1e-4,
                     torch.tensor([0.0, -0.0, 0.25, -0.25, 0.2499999, 20.0, -20.0, 88.0, -100.0])]).tolist()
-    any_int = lambda: random.randint(-2 ** 31, 2 ** 31 - 1)  # noqa: E731
-    pairs = [(any_int(), random.choice([0, -1, 1, 7, -7, any_int()])) for _ in xs]
+    any_int = lambda: rng.randint(-2 ** 31, 2 ** 31 - 1)  # noqa: E731
+    pairs = [(any_int(), rng.choice([0, -1, 1, 7, -7, any_int()])) for _ in xs]
     pairs[:3] = [(-2 ** 31, -1), (-2 ** 31, 0), (-7, 2)]
     text = "\n".join(f"{x!r} {a} {d}" for x, (a, d) in zip(xs, pairs)) + "\n"
     ran = subprocess.run([str(tmp_path / "math")], input=text, capture_output=True, text=True, timeout=60)

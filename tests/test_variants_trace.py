@@ -471,8 +471,7 @@ def _without_score(node):
 
 
 @pytest.mark.parametrize("kind", ["score_mod", "mask_mod"])
-def test_random_valid_trees_round_trip_and_any_single_corruption_is_caught_or_still_valid(kind):
-    rng = random.Random()
+def test_random_valid_trees_round_trip_and_any_single_corruption_is_caught_or_still_valid(kind, rng):
     captures = (("float32", 1), ("int32", 2))
     for _ in range(200):
         v = Variant(kind, random_valid_tree(rng, kind), captures)

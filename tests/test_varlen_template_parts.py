@@ -96,14 +96,13 @@ def test_the_forward_template_re_derives_no_spec_decision():
 
 @pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize("scale,cap", [(0.125, 30.0), (0.0884, 50.0), (1.0, 2.0)])
-def test_the_score_hooks_honour_their_contract_for_the_kernels(tmp_path, scale, cap, exact):
+def test_the_score_hooks_honour_their_contract_for_the_kernels(tmp_path, scale, cap, exact, rng):
     """score.cuh's contract, on the real source compiled for the host: the logit is
     L = scale_log2 / log2(e) * score(s) (soft cap: cap * tanh(scale * s / cap); none: scale * s),
     and dscore is dL/ds / scale (what the backward multiplies dS by). Both tanh conventions (the
     host build's tanh.approx is std::tanh: this checks the bindings' factor, not the device's
     accuracy)."""
     import math
-    import random
     import subprocess
 
     cxx = require_host_cxx("the score-hook host build")
@@ -112,7 +111,6 @@ def test_the_score_hooks_honour_their_contract_for_the_kernels(tmp_path, scale, 
     harness = Path(__file__).resolve().parent / "native" / "score_hook.cpp"
     subprocess.run([cxx, "-O1", "-std=c++17", f"-I{root}", f"-DJITATTN_EXACT_SOFT_CAP={int(exact)}", str(harness),
                     "-o", str(binary)], check=True)
-    rng = random.Random()
     logits = [rng.uniform(-4 * cap / scale, 4 * cap / scale) for _ in range(200)] + [0.0]
     out = subprocess.run([str(binary), str(scale), str(cap)], input=" ".join(map(repr, logits)),
                          capture_output=True, text=True, check=True).stdout.split("\n")
