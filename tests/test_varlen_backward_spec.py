@@ -291,3 +291,5 @@ def test_tile80_features_route_windows_and_variants_onto_the_80_row_tile_one_by_
     built = [(v["persistent"], v["block_m"]) for v in VarlenBackwardSpec.prewarm_variants(
         {"head_dim": 128, "dtype": "bfloat16", "score_mod": relbias}, ("9.0a",))]
     assert built == [(False, 80)]  # with or without a window, either mode: one spec
+    with pytest.raises(ValueError, match="features are some of"):
+        plan(frozenset({"causal"}))

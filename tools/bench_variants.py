@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--parts", nargs="*", default=["variants", "builtin", "softcap"])
     parser.add_argument("--early-probs", action="store_true",
-                        help="the backward with spec.EARLY_UNIT_SLOPE_PROBS on (kernels of score_mods whose slope is 1)")
+                        help="the backward with spec.EARLY_UNIT_SLOPE_PROBS on (score_mods whose slope is 1)")
     parser.add_argument("--rows80", action="store_true",
                         help="also time the backward on the 80-row tile (D128: every call but a soft-capped one)")
     args = parser.parse_args(argv)

@@ -473,6 +473,9 @@ class VarlenBackwardSpec(KernelSpec):
         a full call; None: not known, as for a call that may have any): 80 query rows a step at
         TILE80_HEAD_DIMS where TILE80_FEATURES lists every one of them and there is no soft cap.
         `chosen` and the overrides as for VarlenSpec.for_call."""
+        if features is not None and not set(features) <= set(CALL_FEATURES):
+            raise ValueError(f"varlen_backward features are some of {CALL_FEATURES}, got {sorted(features)}")
+
         def choose(fixed: dict) -> "VarlenBackwardSpec":
             wgmma = fixed.get("wgmma", hopper and wgmma_enabled and cls.wgmma_fits(head_dim))
             producer = fixed.get("producer", wgmma and head_dim in PRODUCER_HEAD_DIMS)
