@@ -167,15 +167,16 @@ def test_differing_names_exactly_the_changed_components():
     theirs = keys.components(spec, TARGET._replace(nvcc="12.8.93"))
     assert keys.differing(ours, theirs) == ["nvcc"]
     theirs = keys.components(dataclasses.replace(spec, head_dim=64), TARGET._replace(archs=("8.0",)))
-    assert keys.differing(ours, theirs) == ["archs", "cuda_flags", "spec"]
+    assert keys.differing(ours, theirs) == ["archs", "cuda_flags", "params", "spec"]
 
 
 def test_components_list_everything_the_key_docstring_names():
     parts = keys.components(DecodeSpec(head_dim=128), keys.BuildTarget(("8.0", "9.0"), "13.0.88", "gcc 12.2.0"))
-    # Docstring: template sources, spec parameters, normalized compile flags, sorted target archs,
-    # stable-ABI target, cache schema, nvcc release, host compiler version.
-    assert set(parts) == {"templates", "spec", "cxx_flags", "cuda_flags", "archs", "abi", "schema",
+    # Docstring: template sources, spec fields, the template parameters' digest, normalized compile
+    # flags, sorted target archs, stable-ABI target, cache schema, nvcc release, host compiler version.
+    assert set(parts) == {"templates", "spec", "params", "cxx_flags", "cuda_flags", "archs", "abi", "schema",
                           "nvcc", "host_cxx"}
+    assert parts["params"] == keys.params_digest(DecodeSpec(head_dim=128))
     assert parts["schema"] == keys.CACHE_SCHEMA
     assert parts["abi"] == "torch-stable-%d.%d" % keys.TORCH_ABI_TARGET
     assert parts["archs"] == ["8.0", "9.0"]
