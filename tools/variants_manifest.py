@@ -52,12 +52,21 @@ def acceptance_set(seqlen: int, heads: int = 32) -> dict:
 
 def bench_specs(score, mask, head_dim: int, dtype: str) -> list:
     """The specs a benchmark call of this variant runs on sm_90 (VarlenSpec.for_call's and
-    VarlenBackwardSpec.for_call's choice: packed prefill, automatic splits, not deterministic)."""
+    VarlenBackwardSpec.for_call's choice: packed prefill, automatic splits, not deterministic), its
+    full and causal rows (the backward's choice follows the call's features: spec.TILE80_FEATURES)."""
+    windowed = (True,)
     if window_of(mask) is not None:  # runs as the built-in window (jitattn/variants/window.py)
         mask = None
+    else:
+        windowed = (False, True)
     texts = {"score_mod": score.key_text if score else "", "mask_mod": mask.key_text if mask else ""}
-    return [VarlenSpec.for_call(head_dim, dtype, False, False, False, False, True, **texts),
-            VarlenBackwardSpec.for_call(head_dim, dtype, False, False, True, **texts)]
+    variants = frozenset(name for name, text in texts.items() if text)
+    backward = {}
+    for window in windowed:
+        spec = VarlenBackwardSpec.for_call(head_dim, dtype, False, False, True, True,
+                                           variants | ({"window"} if window else set()), **texts)
+        backward.setdefault(spec.name, spec)
+    return [VarlenSpec.for_call(head_dim, dtype, False, False, False, False, True, **texts), *backward.values()]
 
 
 def manifest_text(seqlen: int, head_dims: list[int], dtypes: list[str], argv: list[str]) -> str:
