@@ -39,18 +39,16 @@ def _backward_tile80(request, monkeypatch):
     0: no call on the backward's 80-row tile (spec.TILE80_HEAD_DIMS empty); all: every D128 call
     but a soft-capped one on it, windows and variants too (spec.TILE80_FEATURES: all of them).
     JITATTN_TEST_BACKWARD_EARLY_PROBS=1: spec.EARLY_UNIT_SLOPE_PROBS on (a bias table's P^T under dP^T's GEMM)."""
-    rows80 = os.environ.get("JITATTN_TEST_BACKWARD_ROWS80")
-    if rows80 in ("0", "all") and "gpu" in request.node.keywords:
+    if "gpu" in request.node.keywords:
         from jitattn.varlen import spec as spec_module
 
+        rows80 = os.environ.get("JITATTN_TEST_BACKWARD_ROWS80")
         if rows80 == "0":
             monkeypatch.setattr(spec_module, "TILE80_HEAD_DIMS", frozenset())
-        else:
+        elif rows80 == "all":
             monkeypatch.setattr(spec_module, "TILE80_FEATURES", frozenset(spec_module.CALL_FEATURES))
-    if os.environ.get("JITATTN_TEST_BACKWARD_EARLY_PROBS") == "1" and "gpu" in request.node.keywords:
-        from jitattn.varlen import spec as spec_module
-
-        monkeypatch.setattr(spec_module, "EARLY_UNIT_SLOPE_PROBS", True)
+        if os.environ.get("JITATTN_TEST_BACKWARD_EARLY_PROBS") == "1":
+            monkeypatch.setattr(spec_module, "EARLY_UNIT_SLOPE_PROBS", True)
     yield
 
 

@@ -60,11 +60,10 @@ def bench_specs(score, mask, head_dim: int, dtype: str) -> list:
     else:
         windowed = (False, True)
     texts = {"score_mod": score.key_text if score else "", "mask_mod": mask.key_text if mask else ""}
-    variants = frozenset(name for name, text in texts.items() if text)
     backward = {}
-    for window in windowed:
+    for window in windowed:  # for_call counts the variants in `texts` among the call's features
         spec = VarlenBackwardSpec.for_call(head_dim, dtype, False, False, True, True,
-                                           variants | ({"window"} if window else set()), **texts)
+                                           frozenset({"window"} if window else ()), **texts)
         backward.setdefault(spec.name, spec)
     return [VarlenSpec.for_call(head_dim, dtype, False, False, False, False, True, **texts), *backward.values()]
 

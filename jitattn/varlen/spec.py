@@ -470,8 +470,9 @@ class VarlenBackwardSpec(KernelSpec):
         and JITATTN_WGMMA allows it (with the producer, dq_kernel and persistent at their head
         dims, persistent never in deterministic mode), else mma.sync; the soft cap's variant when
         the forward had one. `features`: what the call adds to a full one (CALL_FEATURES; empty:
-        a full call; None: not known, as for a call that may have any): 80 query rows a step at
-        TILE80_HEAD_DIMS where TILE80_FEATURES lists every one of them and there is no soft cap.
+        a full call; None: not known, as for a call that may have any; a score_mod or mask_mod
+        in `chosen` counts whether listed or not): 80 query rows a step at TILE80_HEAD_DIMS where
+        TILE80_FEATURES lists every one of them and there is no soft cap.
         `chosen` and the overrides as for VarlenSpec.for_call."""
         if features is not None and not set(features) <= set(CALL_FEATURES):
             raise ValueError(f"varlen_backward features are some of {CALL_FEATURES}, got {sorted(features)}")
@@ -496,16 +497,15 @@ class VarlenBackwardSpec(KernelSpec):
     @classmethod
     def prewarm_variants(cls, fields: dict, archs: tuple[str, ...]) -> list[dict]:
         """Every spec a backward call with these fields may run on `archs`: `for_call` over both
-        modes (deterministic or not), with a window or not (the variants' features from the
-        fields), and sm_90 or not by `archs`, JITATTN_WGMMA as set now; named fields fix their values."""
+        modes (deterministic or not), with a window or not (a variant in the fields counts as
+        for_call says), and sm_90 or not by `archs`, JITATTN_WGMMA as set now; named fields fix their values."""
         from jitattn.jit import env
 
         base = {k: v for k, v in fields.items() if k not in ("head_dim", "dtype", "soft_cap")}
         wgmma_enabled = env.wgmma_enabled()
-        variants = frozenset(name for name in ("score_mod", "mask_mod") if fields.get(name))
         return _unique([_fields_of(cls.for_call(fields.get("head_dim", 0), fields.get("dtype", "float16"),
                                                 fields.get("soft_cap", False), deterministic, hopper, wgmma_enabled,
-                                                variants | window, **base))
+                                                window, **base))
                         for hopper in _archs_facts(archs) for deterministic in (False, True)
                         for window in (frozenset({"window"}), frozenset())])
 
