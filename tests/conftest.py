@@ -38,7 +38,8 @@ def _backward_tile80(request, monkeypatch):
     """JITATTN_TEST_BACKWARD_ROWS80 for every GPU test (backward, variants, flex, integrations):
     0: no call on the backward's 80-row tile (spec.TILE80_HEAD_DIMS empty); all: every D128 call
     but a soft-capped one on it, windows and variants too (spec.TILE80_FEATURES: all of them).
-    JITATTN_TEST_BACKWARD_EARLY_PROBS=1: spec.EARLY_UNIT_SLOPE_PROBS on (a bias table's P^T under dP^T's GEMM)."""
+    JITATTN_TEST_BACKWARD_EARLY_PROBS=0|1: spec.EARLY_UNIT_SLOPE_PROBS off|on (a bias table's P^T under
+    dP^T's GEMM; off by default)."""
     if "gpu" in request.node.keywords:
         from jitattn.varlen import spec as spec_module
 
@@ -47,8 +48,9 @@ def _backward_tile80(request, monkeypatch):
             monkeypatch.setattr(spec_module, "TILE80_HEAD_DIMS", frozenset())
         elif rows80 == "all":
             monkeypatch.setattr(spec_module, "TILE80_FEATURES", frozenset(spec_module.CALL_FEATURES))
-        if os.environ.get("JITATTN_TEST_BACKWARD_EARLY_PROBS") == "1":
-            monkeypatch.setattr(spec_module, "EARLY_UNIT_SLOPE_PROBS", True)
+        early = os.environ.get("JITATTN_TEST_BACKWARD_EARLY_PROBS")
+        if early in ("0", "1"):
+            monkeypatch.setattr(spec_module, "EARLY_UNIT_SLOPE_PROBS", early == "1")
     yield
 
 

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from jitattn.jit import keys, render
 from jitattn.jit.manifest import read_manifest
@@ -266,6 +267,29 @@ def test_manifests_list_the_backward_kernels_hopper_calls_run(manifest, capped):
                     spec = VarlenBackwardSpec.for_call(head_dim, dtype, cap, deterministic, hopper=True)
                     assert spec.producer and spec.dq_kernel == (head_dim == 256)
                     assert spec in listed, (manifest, spec.name)
+
+
+def test_a_score_mods_feature_is_affine_where_its_bias_is_linear_along_the_keys():
+    """for_call counts a score_mod as "affine_score_mod" where render.kv_affine finds its bias linear
+    in kv_idx (relative position, ALiBi), else as "score_mod" (a bias table, a soft cap), whatever
+    the caller listed; with the default TILE80_FEATURES only full calls of the affine ones take the
+    80-row tile."""
+    from jitattn.variants import gallery
+    from jitattn.variants.trace import trace_score_mod
+
+    if 128 not in spec_module.TILE80_HEAD_DIMS or spec_module.TILE80_FEATURES != {"affine_score_mod"}:
+        pytest.skip("the module's tile constants are not their defaults")
+    plan = lambda features, text: VarlenBackwardSpec.for_call(128, "bfloat16", False, False, True, True,
+                                                              frozenset(features), score_mod=text)
+    affine = [trace_score_mod(f).key_text for f in (gallery.relative_position, gallery.alibi(torch.rand(4)))]
+    other = [trace_score_mod(f).key_text for f in (gallery.bias_table(torch.rand(4, 63), 31), gallery.soft_cap(30.0))]
+    for text in affine:
+        for listed in ((), ("score_mod",), ("affine_score_mod",)):
+            assert plan(listed, text).block_m == 80, text
+        assert plan({"window", "score_mod"}, text).block_m == 64 and plan({"window"}, text).persistent
+    for text in other:
+        for listed in ((), ("score_mod",), ("affine_score_mod",)):  # the text decides, not the list
+            assert plan(listed, text).block_m == 64 and plan(listed, text).persistent, text
 
 
 def test_tile80_features_route_windows_and_variants_onto_the_80_row_tile_one_by_one(rows80, monkeypatch):

@@ -54,17 +54,27 @@ PERSISTENT_HEAD_DIMS: frozenset[int] = frozenset({128})
 TILE80_HEAD_DIMS: frozenset[int] = frozenset({128})
 TILE80_FITS: frozenset[int] = frozenset({128})
 # What a backward call adds to a full one (VarlenBackwardSpec.for_call's `features`), and which of
-# those the 80-row tile also takes (a call takes it when every feature it has is listed). The
-# template builds every one of them at 80 rows (a window's masked tiles, a score_mod's scores and
-# slope, a mask_mod's hook and map; the soft cap's variant it does not); none is listed until a GPU
-# run shows them correct and faster: JITATTN_TEST_BACKWARD_ROWS80=all runs the GPU suite with all.
-CALL_FEATURES: tuple[str, ...] = ("window", "score_mod", "mask_mod")
-TILE80_FEATURES: frozenset[str] = frozenset()
+# those the 80-row tile also takes (a call takes it when every feature it has is listed). A
+# score_mod counts as "affine_score_mod" when its bias is linear along the keys (relative position,
+# ALiBi: render.kv_affine), else as "score_mod". The template builds every one of them at 80 rows
+# (the soft cap's variant it does not). Listed: what measured faster there, with the GPU suite
+# passing on every feature at 80 rows (H100, bf16 8 x 4096, 32 heads, D128, backward ms, 64-row
+# persistent -> 80 rows; notes/variants-h100.md, seventeenth session): full calls with an affine
+# score_mod (relative bias 10.37 -> 9.81, ALiBi 11.21 -> 10.61). Not listed: a window (the built-in
+# 1024 window 3.40 -> 3.67; causal calls even), other score_mods (the bias table 14.60 -> 15.45, a
+# soft cap as a score_mod 12.70 -> 15.51) and mask_mods, which went both ways (prefix-LM 6.47 ->
+# 6.10, document 4.92 -> 4.87, a sliding window kept as a hook 3.62 -> 4.00: sparse masks lose).
+# JITATTN_TEST_BACKWARD_ROWS80=all runs the GPU suite with all of them.
+CALL_FEATURES: tuple[str, ...] = ("window", "score_mod", "affine_score_mod", "mask_mod")
+TILE80_FEATURES: frozenset[str] = frozenset({"affine_score_mod"})
 # The wgmma backward computes P^T of a score_mod whose slope is 1 but that is not KV_AFFINE (a bias
 # table: score + bias[h, q_idx - kv_idx]) while dP^T's GEMM runs, as without a hook, instead of
 # with dS^T after both GEMMs (templates/varlen/backward_wgmma.cuh). A template parameter (in the
-# keys through the parameters' digest); off until a GPU run shows it correct and faster:
-# JITATTN_TEST_BACKWARD_EARLY_PROBS=1 runs the GPU suite with it, bench_variants.py --early-probs times it.
+# keys through the parameters' digest). Faster: the bias table's backward 15.78 -> 14.60 ms full,
+# 8.87 -> 7.86 causal (H100, the shape above), and its GPU tests pass at D64 / D256 and on D128's
+# 80-row tile; off until they pass on the kernel D128 calls take, the persistent 64-row one (no GPU
+# run has checked that one yet): JITATTN_TEST_BACKWARD_EARLY_PROBS=1 runs the GPU suite with it,
+# bench_variants.py --early-probs times it.
 EARLY_UNIT_SLOPE_PROBS: bool = False
 
 
@@ -88,6 +98,21 @@ def _parse_mask_mod(text: str):
 # The spec fields of a user's variant: a traced score_mod / mask_mod as its canonical text
 # (jitattn/variants), '' for none. Both families take them; the kernels' hooks render from them.
 VARIANT_PARSERS = {"score_mod": _parse_score_mod, "mask_mod": _parse_mask_mod}
+
+
+def _call_features(features, fixed: dict) -> set[str]:
+    """A backward call's features (CALL_FEATURES) with its variants' fields counted: a score_mod
+    as "affine_score_mod" where its bias is linear along the keys (render.kv_affine), else as
+    "score_mod"; a mask_mod as "mask_mod"."""
+    has = set(features)
+    if fixed.get("score_mod"):
+        from jitattn.variants import kv_affine
+
+        affine = kv_affine(_variant(fixed["score_mod"], "score_mod")) is not None
+        has = (has - {"score_mod", "affine_score_mod"}) | {"affine_score_mod" if affine else "score_mod"}
+    if fixed.get("mask_mod"):
+        has.add("mask_mod")
+    return has
 
 
 def _variant_params(spec) -> dict:
@@ -481,8 +506,7 @@ class VarlenBackwardSpec(KernelSpec):
             wgmma = fixed.get("wgmma", hopper and wgmma_enabled and cls.wgmma_fits(head_dim))
             producer = fixed.get("producer", wgmma and head_dim in PRODUCER_HEAD_DIMS)
             dq_kernel = fixed.get("dq_kernel", producer and head_dim in DQ_KERNEL_HEAD_DIMS)
-            has = None if features is None else (
-                set(features) | {name for name in ("score_mod", "mask_mod") if fixed.get(name)})
+            has = None if features is None else _call_features(features, fixed)
             rows80 = (producer and has is not None and has <= TILE80_FEATURES and not soft_cap
                       and head_dim in TILE80_HEAD_DIMS and not fixed.get("persistent") and not fixed.get("dq_kernel"))
             block_m = fixed.get("block_m", 80 if rows80 else 0)
