@@ -12,7 +12,15 @@ loop of 4000 calls (one sync at its end: tools/bench_util.py host_us_per_call), 
 interleaved rounds. "C launch" is kept.run less its allocation and packing; "(out alone)" and
 "(scratch alone)" are the two allocations a kept launch made before they were one.
 
-    PYTHONPATH=. python3 tools/decode_host.py [--rounds 5] [--keys 288]
+Then the same decode call through torch's flash-attention registry (issue 47 item 1: SDPA's flash
+path with jitattn active measured 0.82x of torch's own flash kernels in batch-1 generation):
+`F.scaled_dot_product_attention` under sdpa_kernel(FLASH_ATTENTION) with torch's kernel, then with
+jitattn.activate(), and the provider's parts for that call (jitattn/integrations/torch_flash.py):
+the fallback decision, its body (`flash_attention_forward`), within it jitattn's public
+`varlen_attn_out`, the dense call's cu_seq lookup and the auxiliary outputs aten's op returns.
+K / V are repeated to 16 heads there (the flash op's GQA is not every torch's).
+
+    PYTHONPATH=. python3 tools/decode_host.py [--rounds 5] [--keys 288] [--no-provider]
 """
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--keys", type=int, default=288, help="the KV cache's length (prompt + new tokens)")
+    parser.add_argument("--no-provider", action="store_true", help="leave out the flash-registry rows")
     args = parser.parse_args()
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -93,6 +102,57 @@ def main() -> None:
     for name, t in med.items():
         spread = got.get(name)
         print(f"{name:48s} {t:7.2f}" + (f"  ({min(spread):.2f}-{max(spread):.2f})" if spread else ""))
+    if not args.no_provider:
+        provider_rows(q, k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1), scale, args.rounds)
+
+
+def provider_rows(q, k, v, scale, rounds) -> None:
+    """The decode call through torch's flash-attention registry, torch's kernel and jitattn's, and
+    the provider's parts (module docstring)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import jitattn
+    from jitattn.integrations import torch_flash as tf
+    from jitattn.varlen import AuxRequest, varlen_attn_out
+
+    if not hasattr(torch.nn.attention, "activate_flash_attention_impl"):
+        print("this torch has no flash-attention registry: no provider rows")
+        return
+    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, scale=scale)  # noqa: E731
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # (B, S, H, D), as the provider gets them
+    out = torch.empty_like(qt)
+    cu_q, cu_k = tf.dense_cu_seq(1, 1, q.device), tf.dense_cu_seq(1, k.shape[2], q.device)
+    packed = [tf._packed(t) for t in (qt, kt, vt)]
+    parts = {
+        "SDPA flash, torch's kernel": ("torch", sdpa),
+        "SDPA flash through jitattn (provider)": ("jitattn", sdpa),
+        "  fallback decision": ("jitattn", lambda: tf._sdpa_forward_reason(q, k, v, 0.0, False, False, scale=scale)),
+        "  flash_attention_forward (its body)": ("jitattn", lambda: tf.flash_attention_forward(
+            qt, kt, vt, None, None, 1, k.shape[2], 0.0, False, False, scale=scale)),
+        "    varlen_attn_out (jitattn's public call)": ("jitattn", lambda: varlen_attn_out(
+            out.view(-1, *out.shape[2:]), *packed, cu_q, cu_k, 1, k.shape[2], return_aux=AuxRequest(lse=True),
+            scale=scale)),
+        "    dense cu_seq lookup": ("jitattn", lambda: tf.dense_cu_seq(1, k.shape[2], q.device)),
+        "    auxiliary outputs (rng state, offset, mask)": ("jitattn", lambda: tf._aux(q)),
+    }
+    got = {name: [] for name in parts}
+    with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        for _ in range(rounds):
+            for setting in ("torch", "jitattn"):
+                if setting == "jitattn":
+                    jitattn.activate()
+                try:
+                    for name, (where, fn) in parts.items():
+                        if where == setting:
+                            fn()  # warm: the first call of a shape plans and loads
+                            got[name].append(host_us_per_call(fn, calls=4000))
+                finally:
+                    if setting == "jitattn":
+                        jitattn.restore()
+    print(f"decode call through torch's flash-attention registry, 16 heads of 128 (K / V repeated), "
+          f"{k.shape[2]} keys; us per call, median of {rounds} rounds")
+    for name, t in got.items():
+        print(f"{name:48s} {statistics.median(t):7.2f}  ({min(t):.2f}-{max(t):.2f})")
 
 
 if __name__ == "__main__":
