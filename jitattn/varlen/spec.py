@@ -58,23 +58,20 @@ TILE80_FITS: frozenset[int] = frozenset({128})
 # score_mod counts as "affine_score_mod" when its bias is linear along the keys (relative position,
 # ALiBi: render.kv_affine), else as "score_mod". The template builds every one of them at 80 rows
 # (the soft cap's variant it does not). Listed: what measured faster there, with the GPU suite
-# passing on every feature at 80 rows (H100, bf16 8 x 4096, 32 heads, D128, backward ms, 64-row
-# persistent -> 80 rows; notes/variants-h100.md, seventeenth session): full calls with an affine
-# score_mod (relative bias 10.37 -> 9.81, ALiBi 11.21 -> 10.61). Not listed: a window (the built-in
-# 1024 window 3.40 -> 3.67; causal calls even), other score_mods (the bias table 14.60 -> 15.45, a
-# soft cap as a score_mod 12.70 -> 15.51) and mask_mods, which went both ways (prefix-LM 6.47 ->
-# 6.10, document 4.92 -> 4.87, a sliding window kept as a hook 3.62 -> 4.00: sparse masks lose).
-# JITATTN_TEST_BACKWARD_ROWS80=all runs the GPU suite with all of them.
+# passing on every feature at 80 rows: full calls with an affine score_mod, which gain as a plain
+# full call does. Not listed: a window, other score_mods (a bias table, a soft cap written as one)
+# and mask_mods, which measured slower there or went both ways (sparse masks lose, as windows do):
+# notes/variants-h100.md, seventeenth session. JITATTN_TEST_BACKWARD_ROWS80=all runs the GPU suite
+# with all of them.
 CALL_FEATURES: tuple[str, ...] = ("window", "score_mod", "affine_score_mod", "mask_mod")
 TILE80_FEATURES: frozenset[str] = frozenset({"affine_score_mod"})
 # The wgmma backward computes P^T of a score_mod whose slope is 1 but that is not KV_AFFINE (a bias
 # table: score + bias[h, q_idx - kv_idx]) while dP^T's GEMM runs, as without a hook, instead of
 # with dS^T after both GEMMs (templates/varlen/backward_wgmma.cuh). A template parameter (in the
-# keys through the parameters' digest). Faster: the bias table's backward 15.78 -> 14.60 ms full,
-# 8.87 -> 7.86 causal (H100, the shape above), and its GPU tests pass at D64 / D256 and on D128's
-# 80-row tile; off until they pass on the kernel D128 calls take, the persistent 64-row one (no GPU
-# run has checked that one yet): JITATTN_TEST_BACKWARD_EARLY_PROBS=1 runs the GPU suite with it,
-# bench_variants.py --early-probs times it.
+# keys through the parameters' digest). It measured faster (notes/variants-h100.md, seventeenth
+# session) and its GPU tests pass at D64 / D256 and on D128's 80-row tile; off until they pass on
+# the kernel D128 calls take, the persistent 64-row one (no GPU run has checked that one yet):
+# JITATTN_TEST_BACKWARD_EARLY_PROBS=1 runs the GPU suite with it, bench_variants.py --early-probs times it.
 EARLY_UNIT_SLOPE_PROBS: bool = False
 
 
