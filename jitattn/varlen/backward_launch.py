@@ -82,12 +82,10 @@ def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tens
         grad_lse = None
     hopper = is_hopper(query.device)
     # for_call's arguments in its order (head_dim, dtype, soft cap, deterministic, sm_90,
-    # JITATTN_WGMMA there, what the call adds to a full one), then the override state
-    # (and the variants' canonical texts)
+    # JITATTN_WGMMA there, what the call adds to a full one: its window, as for_call counts the
+    # variants from their texts), then the override state (and the variants' canonical texts)
     variants = (score_mod.key_text if score_mod else "", mask_mod.key_text if mask_mod else "")
-    features = frozenset(name for name, has in (("window", left >= 0 or right >= 0),
-                                                ("score_mod", score_mod is not None),
-                                                ("mask_mod", mask_mod is not None)) if has)
+    features = frozenset({"window"}) if left >= 0 or right >= 0 else frozenset()
     facts = (head_dim, query.dtype, softcap > 0, bool(deterministic), hopper, hopper and env.wgmma_enabled(),
              features, overrides.state(), variants)
     entry = _kernels.get(facts)
