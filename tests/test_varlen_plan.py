@@ -436,8 +436,55 @@ def test_a_warm_call_launches_the_remembered_plan_without_checking_or_planning_a
     assert len(plans) == planned, "a warm call must not plan again"
     first, last = launches[0][1], launches[-1][1]
     assert scalars(first) == scalars(last) and launches[0][0] == launches[-1][0]
-    public(**batch([5, 9], [7, 13], h_q=8, h_kv=2, d=64))  # another max_k: a new key
+    public(**batch([5, 9], [7, 12], h_q=8, h_kv=4, d=64))  # other shapes: a new key
     assert len(plans) > planned
+
+
+def counting_checks(monkeypatch):
+    import jitattn.varlen.api as varlen_api
+
+    checked = []
+    real_check = varlen_api.varlen_call
+    monkeypatch.setattr(varlen_api, "varlen_call", lambda *a, **kw: checked.append(1) or real_check(*a, **kw))
+    return checked
+
+
+def test_a_call_with_more_keys_re_plans_the_last_launch_without_the_checks(launches, monkeypatch):
+    """A decode loop's next step (a cache one key longer, in a new tensor) is a new warm key: its
+    family's launch is re-planned for the new max_k (forward.py `_next_length`), and the step's
+    later layers find it under their own key. The splits follow max_k as a planned call's do."""
+    plans, checked = counting_plans(monkeypatch), counting_checks(monkeypatch)
+    public(**batch([1, 1], [200, 30], h_q=8, h_kv=2, d=64))  # 2 x 2 = 4 CTAs: the keys split
+    assert (len(plans), len(checked)) == (1, 1)
+    for length in (201, 5000, 5001, 5001):  # all past SHORT_KEYS: one kernel
+        b = batch([1, 1], [length, 30], h_q=8, h_kv=2, d=64)
+        public(**b)
+        run = dict(zip(RUN_ARGS, launches[-1][1]))
+        assert run["q"] is b["query"] and run["k"] is b["key"] and run["cu_k"] is b["cu_seq_k"]
+        planned = launch(launches, **b)[1]  # the same call, checked and planned anew
+        assert {n: run[n] for n in ("splits", "split_min_tiles", "m_blocks")} == \
+            {n: planned[n] for n in ("splits", "split_min_tiles", "m_blocks")}
+    assert len(checked) == 1, "the public calls after the first are never checked again"
+    assert run["splits"] > launches[0][1][RUN_ARGS.index("splits")] > 1
+
+
+def test_the_next_length_takes_the_full_path_where_the_plan_or_the_checks_differ(launches, monkeypatch):
+    """Keys the kernel cannot read in place, another kernel by the short-call rule, and values the
+    checks refuse are never re-planned from the family: they are checked (and fixed or refused)."""
+    checked = counting_checks(monkeypatch)
+    public(**batch([1], [100], h_q=8, h_kv=2, d=64))
+    public(**batch([1], [101], h_q=8, h_kv=2, d=64))
+    assert len(checked) == 1
+    public(**batch([1], [5000], h_q=8, h_kv=2, d=64))  # past SHORT_KEYS: the short-call rule's verdict changes
+    assert len(checked) == 2
+    b = batch([1], [5001], h_q=8, h_kv=2, d=64)
+    odd = torch.empty(b["key"].numel() + 1, dtype=b["key"].dtype)[1:].view(b["key"].shape)  # not 16-byte aligned
+    public(**{**b, "key": odd})
+    assert len(checked) == 3
+    launched = launches[-1][1][1]
+    assert launched.data_ptr() % 16 == 0 and launched.data_ptr() != odd.data_ptr(), "a copy the kernel can read"
+    with pytest.raises(ValueError, match="max_k"):
+        public(**{**batch([1], [5002], h_q=8, h_kv=2, d=64), "max_k": -1})
 
 
 def test_warm_calls_still_refuse_what_the_checks_refuse(launches):

@@ -17,7 +17,9 @@ path with jitattn active measured 0.82x of torch's own flash kernels in batch-1 
 `F.scaled_dot_product_attention` under sdpa_kernel(FLASH_ATTENTION) with torch's kernel, then with
 jitattn.activate(), and the provider's parts for that call (jitattn/integrations/torch_flash.py):
 the fallback decision, its body (`flash_attention_forward`), within it jitattn's public
-`varlen_attn_out`, the dense call's cu_seq lookup and the auxiliary outputs aten's op returns.
+`varlen_attn_out`, the dense call's cu_seq lookup and the auxiliary outputs aten's op returns;
+and a step's first layer both ways (256 cache lengths in turn: jitattn re-plans the last
+length's launch, jitattn/varlen/forward.py `_next_length`).
 K / V are repeated to 16 heads there (the flash op's GQA is not every torch's).
 
     PYTHONPATH=. python3 tools/decode_host.py [--rounds 5] [--keys 288] [--no-provider]
@@ -119,13 +121,24 @@ def provider_rows(q, k, v, scale, rounds) -> None:
         print("this torch has no flash-attention registry: no provider rows")
         return
     sdpa = lambda: F.scaled_dot_product_attention(q, k, v, scale=scale)  # noqa: E731
+    # A decode step's first layer: a cache one key longer, in a new tensor (as main's first_layer).
+    steps = [(torch.randn(1, k.shape[1], k.shape[2] + i, k.shape[3], device=k.device, dtype=k.dtype),) * 2
+             for i in range(256)]
+    step = iter(range(1 << 62))
+
+    def sdpa_first_layer():
+        key, value = steps[next(step) % len(steps)]
+        F.scaled_dot_product_attention(q, key, value, scale=scale)
+
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # (B, S, H, D), as the provider gets them
     out = torch.empty_like(qt)
     cu_q, cu_k = tf.dense_cu_seq(1, 1, q.device), tf.dense_cu_seq(1, k.shape[2], q.device)
     packed = [tf._packed(t) for t in (qt, kt, vt)]
     parts = {
         "SDPA flash, torch's kernel": ("torch", sdpa),
+        "SDPA flash, torch's kernel, a step's first layer": ("torch", sdpa_first_layer),
         "SDPA flash through jitattn (provider)": ("jitattn", sdpa),
+        "  the same, a step's first layer": ("jitattn", sdpa_first_layer),
         "  fallback decision": ("jitattn", lambda: tf._sdpa_forward_reason(q, k, v, 0.0, False, False, scale=scale)),
         "  flash_attention_forward (its body)": ("jitattn", lambda: tf.flash_attention_forward(
             qt, kt, vt, None, None, 1, k.shape[2], 0.0, False, False, scale=scale)),

@@ -138,7 +138,7 @@ _VARIANT_SIGNATURES = {"score_mod": "(score, b, h, q_idx, kv_idx) -> score",
                        "mask_mod": "(b, h, q_idx, kv_idx) -> bool"}
 
 
-def _check_positions(score_mod, mask_mod, max_q, max_k) -> None:
+def check_positions(score_mod, mask_mod, max_q, max_k) -> None:
     """A variant whose rendering computes positions in fp32 (exact below 2^22) refuses longer sequences."""
     from jitattn.variants.render import FLOAT_POSITIONS_LIMIT, float_positions
 
@@ -305,7 +305,7 @@ def varlen_call(
     softcap = _softcap(softcap)
     score_mod, mask_mod = _variants(score_mod, mask_mod, softcap)
     if score_mod is not None or mask_mod is not None:
-        _check_positions(score_mod, mask_mod, max_q, max_k)
+        check_positions(score_mod, mask_mod, max_q, max_k)
 
     # -- out and return_aux
     if out is not None:

@@ -13,7 +13,7 @@ from jitattn.kernel import call_memo, evict_oldest
 from jitattn.variants.tree import Variant
 from jitattn.variants.window import lower_window
 from jitattn.varlen import overrides
-from jitattn.varlen.checks import VarlenCall, check_varlen_values
+from jitattn.varlen.checks import VarlenCall, check_positions, check_varlen_values
 from jitattn.varlen.launch import VarlenKernel
 from jitattn.varlen.plan import (DECODE_ROWS, MAX_SPLITS, MIN_SPLIT_TILES, SHORT_KEYS, SHORT_ROWS, auto_splits,
                                  is_hopper)
@@ -127,8 +127,8 @@ def _builds_map(rule: KeyRule, max_k: int) -> bool:
 
 def for_max_k(launch: Launch, max_k: int) -> Launch | None:
     """`launch` re-planned for a call that differs from its own in max_k alone (and in the key
-    tensors' length, which the caller vouches for: jitattn/integrations/transformers.py), or None
-    where another kernel would run (the short-call rule changes its verdict): then the full path."""
+    tensors' length, which the caller vouches for: `_next_length`, jitattn/integrations/transformers.py),
+    or None where another kernel would run (the short-call rule changes its verdict): then the full path."""
     rule = launch.key_rule
     if (rule.short_rows and max_k <= SHORT_KEYS) != rule.short:
         return None
@@ -173,6 +173,7 @@ def forward(call: VarlenCall, remember_as: tuple | None = None) -> tuple[torch.T
     launch = plan(call)
     if remember_as is not None and launch.ready:
         _remember(remember_as, launch)
+        _remember_family(remember_as, call.key, call.value, launch)
     out = call.out
     if out is None and launch.out_like_query:
         out = torch.empty_like(query)
@@ -278,11 +279,13 @@ def remembered(key: tuple) -> Launch | None:
 
 def warm_forward(key: tuple, query, key_, value, cu_seq_q, cu_seq_k, seqused_k, block_table, out, score_mod,
                  mask_mod):
-    """(out, lse) of a call whose `warm_key` was remembered, or None (then
-    forward(varlen_call(...), remember_as=key))."""
+    """(out, lse) of a call whose `warm_key` was remembered, or of its family's (`_next_length`),
+    or None (then forward(varlen_call(...), remember_as=key))."""
     launch = remembered(key)
     if launch is None:
-        return None
+        launch = _next_length(key, key_, value, score_mod, mask_mod)
+        if launch is None:
+            return None
     return run_remembered(launch, query, key_, value, cu_seq_q, cu_seq_k, seqused_k, block_table, out, score_mod,
                           mask_mod)
 
@@ -295,3 +298,52 @@ def run_remembered(launch: Launch, query, key, value, cu_seq_q, cu_seq_k, sequse
         out = torch.empty_like(query)
     return _run(launch, query, key, value, cu_seq_q, cu_seq_k, seqused_k, block_table, out, None, score_mod,
                 mask_mod)
+
+
+# ------------------------------------------------------------------ the next key length
+# A decode loop calls with a cache one key longer each step, in a new tensor: a new warm_key at
+# every step's first layer. Its family (the warm_key less the key / value rows, their strides and
+# max_k) keeps the last launch planned for it, which `for_max_k` re-plans for the new length
+# without the checks or `plan` (the checks read nothing else of those; `ready` is the one fact
+# the strides decide, so it is part of the family).
+_families: dict[tuple, Launch] = call_memo()
+_MAX_ROWS = 2**31 - 1  # the checks' bound on key rows (tokens, or pages of a pool)
+
+
+def _family(key: tuple, key_, value) -> tuple:
+    kv = tuple((t.shape[1:], t.dtype, t.device, t.requires_grad, check.reads_in_place(t)) for t in (key_, value))
+    return key[:1] + kv + key[3:9] + key[10:]
+
+
+def _remember_family(key: tuple, key_, value, launch: Launch) -> None:
+    try:
+        family = _family(key, key_, value)
+        if len(_families) >= WARM_ENTRIES:
+            evict_oldest(_families)
+        _families[family] = launch
+    except TypeError:  # an unhashable key (warm_key)
+        pass
+
+
+def _next_length(key: tuple, key_, value, score_mod, mask_mod) -> Launch | None:
+    """The launch of a call whose family was planned at another max_k, re-planned for this one and
+    remembered under its own warm_key (the step's other layers); None: the full path (which also
+    raises what the checks refuse)."""
+    max_q, max_k = key[8], key[9]
+    if max_k < 0 or key_.shape[0] > _MAX_ROWS:
+        return None
+    try:
+        known = _families.get(_family(key, key_, value))
+    except TypeError:
+        return None
+    if known is None:
+        return None
+    if score_mod is not None or mask_mod is not None:
+        try:
+            check_positions(score_mod, mask_mod, max_q, max_k)
+        except ValueError:
+            return None
+    launch = for_max_k(known, max_k)
+    if launch is not None:
+        _remember(key, launch)
+    return launch
