@@ -200,8 +200,10 @@ def compare(make, case, impls=("sdpa", "jitattn"), rounds: int = 3):
     return {impl: statistics.median(r) for impl, r in rates.items()}, ratios, cpu_ratios
 
 
-def flash_provider_rows(data, layers, new):
-    """SDPA's flash path with torch's kernels, then with jitattn's (the provider), and SDPA's default."""
+def flash_provider_rows(data, layers, new, rounds: int = 3):
+    """SDPA's flash path with torch's kernels, then with jitattn's (the provider), and SDPA's
+    default: {case: {setting: median rate, "ratios": sorted per-round jitattn / flash}}, the
+    settings timed in interleaved rounds on one set of weights, as `compare` does."""
     def run(setting):
         if setting == "default":
             return contextlib.nullcontext()
@@ -212,24 +214,29 @@ def flash_provider_rows(data, layers, new):
             stack.callback(jitattn.restore)
         return stack
 
+    settings = ("default", "flash", "jitattn")
     rows = {}
-    for name, make, case in (
-        ("generate b1 tok/s", lambda s: llama("sdpa", layers, s), lambda m: generate_rate(m, data["b1"], new)[0]),
-        ("train dense tok/s", lambda s: llama("sdpa", layers, s), lambda m: train_rate(m, data["dense"], BATCH * SEQ)),
+    for name, case in (
+        ("generate b1 tok/s", lambda m: generate_rate(m, data["b1"], new)[0]),
+        ("train dense tok/s", lambda m: train_rate(m, data["dense"], BATCH * SEQ)),
     ):
-        state, rates = None, {}
-        for setting in ("default", "flash", "jitattn"):
-            m = make(state)
-            state = state or m.state_dict()
-            try:
-                with run(setting):
-                    rates[setting] = case(m)
-            except RuntimeError as exc:  # e.g. SDPA finds no flash-capable call (a mask): say so, go on
-                print(f"{name}, {setting}: {str(exc).splitlines()[0]}")
-                rates[setting] = float("nan")
-            del m
-            torch.cuda.empty_cache()
-        rows[name] = rates
+        models, state = {}, None
+        for setting in settings:
+            models[setting] = llama("sdpa", layers, state)
+            state = state or models[setting].state_dict()
+        rates = {setting: [] for setting in settings}
+        for _ in range(rounds):
+            for setting in settings:
+                try:
+                    with run(setting):
+                        rates[setting].append(case(models[setting]))
+                except RuntimeError as exc:  # e.g. SDPA finds no flash-capable call (a mask): say so, go on
+                    print(f"{name}, {setting}: {str(exc).splitlines()[0]}")
+                    rates[setting].append(float("nan"))
+        del models
+        torch.cuda.empty_cache()
+        rows[name] = {setting: statistics.median(r) for setting, r in rates.items()}
+        rows[name]["ratios"] = sorted(j / f for j, f in zip(rates["jitattn"], rates["flash"]))
     return rows
 
 
@@ -454,13 +461,16 @@ def main():
         for name, sdpa_us, ours_us, ratios in host_rows(args.rounds):
             print(f"{name:42s} {sdpa_us:10.1f} {ours_us:10.1f} {statistics.median(ratios):8.2f}x "
                   f"{ratios[0]:7.2f}-{ratios[-1]:.2f}x")
-    flash = flash_provider_rows(data, layers, args.new) if wants("flash") else {}
-    print(f"\nSDPA through torch's flash-attention registry, {layers} layers "
-          "(flash: sdpa_kernel(FLASH_ATTENTION); jitattn: the same with jitattn.activate())")
-    print(f"{'case':42s} {'default':>10s} {'flash':>10s} {'jitattn':>10s} {'vs flash':>9s} {'vs default':>11s}")
+    flash = flash_provider_rows(data, layers, args.new, args.rounds) if wants("flash") else {}
+    print(f"\nSDPA through torch's flash-attention registry, {layers} layers, {args.rounds} interleaved rounds "
+          "(flash: sdpa_kernel(FLASH_ATTENTION); jitattn: the same with jitattn.activate(); vs flash: the median "
+          "of the rounds' ratios)")
+    print(f"{'case':42s} {'default':>10s} {'flash':>10s} {'jitattn':>10s} {'vs flash':>9s} {'rounds min-max':>15s} "
+          f"{'vs default':>11s}")
     for name, r in flash.items():
+        ratios = r["ratios"]
         print(f"{name:42s} {r['default']:10.0f} {r['flash']:10.0f} {r['jitattn']:10.0f} "
-              f"{r['jitattn'] / r['flash']:8.2f}x {r['jitattn'] / r['default']:10.2f}x")
+              f"{statistics.median(ratios):8.2f}x {ratios[0]:7.2f}-{ratios[-1]:.2f}x {r['jitattn'] / r['default']:10.2f}x")
     if args.profile:
         profile_decode(data, layers)
         profile_encoder(data, padded)
