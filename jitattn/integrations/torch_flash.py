@@ -42,6 +42,7 @@ from torch import Tensor
 
 from jitattn.checks import Q_DTYPES as DTYPES, SUPPORTED_HEAD_DIMS as HEAD_DIMS
 from jitattn.errors import JitattnError
+from jitattn.kernel import evict_oldest
 
 log = logging.getLogger("jitattn.torch_flash")
 
@@ -417,6 +418,28 @@ _IMPLS = {
     "_scaled_dot_product_flash_attention_backward": (sdpa_flash_backward, _sdpa_backward_reason, "backward"),
 }
 _LOGGED_REASONS: set = set()
+# (op, kernel seam, each argument's shape / dtype / device or value) -> its fallback reason: the
+# decisions read nothing else, and a model's layers repeat one call (the SDPA forward's reason
+# costs more than this key: it transposes and checks every tensor).
+_DECISIONS: dict = {}
+_DECISIONS_SIZE = 256
+
+
+def _facts(a):
+    return (a.shape, a.dtype, a.device) if isinstance(a, Tensor) else a
+
+
+def _decision(op_name: str, reason_for: Callable, args: tuple, kwargs: dict) -> str | None:
+    try:
+        key = (op_name, _kernels, *map(_facts, args), *((n, _facts(a)) for n, a in kwargs.items()))
+        return _DECISIONS[key]
+    except KeyError:
+        reason = _DECISIONS[key] = reason_for(*args, **kwargs)
+        if len(_DECISIONS) > _DECISIONS_SIZE:
+            evict_oldest(_DECISIONS)
+        return reason
+    except TypeError:  # an unhashable argument: decide without the memo
+        return reason_for(*args, **kwargs)
 # Set while torch's own kernel runs a call jitattn passed on: the flash ops it calls in turn (SDPA's
 # flash op calls _flash_attention_forward) go straight to torch's kernels, counted and logged once.
 _in_torchs_kernel = threading.local()
@@ -436,7 +459,7 @@ def dispatching_kernel(op_name: str, original) -> Callable:
     def kernel(keyset, *args, **kwargs):
         if getattr(_in_torchs_kernel, "active", False) and original is not None:
             return original.call_boxed(keyset, *args, **kwargs)
-        reason = reason_for(*args, **kwargs)
+        reason = _decision(op_name, reason_for, args, kwargs)
         if reason is None:
             try:
                 result = implementation(*args, **kwargs)
