@@ -485,6 +485,9 @@ def test_the_next_length_takes_the_full_path_where_the_plan_or_the_checks_differ
     assert launched.data_ptr() % 16 == 0 and launched.data_ptr() != odd.data_ptr(), "a copy the kernel can read"
     with pytest.raises(ValueError, match="max_k"):
         public(**{**batch([1], [5002], h_q=8, h_kv=2, d=64), "max_k": -1})
+    b = batch([1], [5003], h_q=8, h_kv=2, d=64)
+    with pytest.raises(ValueError, match="same shape"):  # fewer value rows than keys: never read past them
+        public(**{**b, "value": b["value"][:-1]})
 
 
 def test_warm_calls_still_refuse_what_the_checks_refuse(launches):

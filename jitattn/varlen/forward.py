@@ -304,8 +304,9 @@ def run_remembered(launch: Launch, query, key, value, cu_seq_q, cu_seq_k, sequse
 # A decode loop calls with a cache one key longer each step, in a new tensor: a new warm_key at
 # every step's first layer. Its family (the warm_key less the key / value rows, their strides and
 # max_k) keeps the last launch planned for it, which `for_max_k` re-plans for the new length
-# without the checks or `plan` (the checks read nothing else of those; `ready` is the one fact
-# the strides decide, so it is part of the family).
+# without the checks or `plan` (those checks that read the dropped fields are repeated: rows, key
+# and value alike, max_k, a variant's float positions; `ready` is the one fact the strides decide,
+# so it is part of the family).
 _families: dict[tuple, Launch] = call_memo()
 _MAX_ROWS = 2**31 - 1  # the checks' bound on key rows (tokens, or pages of a pool)
 
@@ -330,7 +331,7 @@ def _next_length(key: tuple, key_, value, score_mod, mask_mod) -> Launch | None:
     remembered under its own warm_key (the step's other layers); None: the full path (which also
     raises what the checks refuse)."""
     max_q, max_k = key[8], key[9]
-    if max_k < 0 or key_.shape[0] > _MAX_ROWS:
+    if max_k < 0 or key_.shape[0] > _MAX_ROWS or value.shape[0] != key_.shape[0]:
         return None
     try:
         known = _families.get(_family(key, key_, value))
