@@ -19,6 +19,7 @@ import torch
 
 import jitattn
 from jitattn.integrations import torch_flash, torch_registry
+from jitattn.kernel import fresh_memos
 from jitattn.reference import varlen_attn_reference
 from jitattn.reference_backward import varlen_attn_backward
 
@@ -498,10 +499,9 @@ def test_the_fallback_decision_is_made_once_per_argument_facts(monkeypatch):
     """A model's layers repeat one call: its decision (forward_fallback_reason) is made once per
     op, kernel seam and arguments' shapes, dtypes, devices and values, and anew when any differ."""
     decided = []
-    implementation, reason_for, kind = torch_flash._IMPLS["_flash_attention_forward"]
-    monkeypatch.setitem(torch_flash._IMPLS, "_flash_attention_forward",
-                        (implementation, lambda *a, **kw: decided.append(a[7]) or reason_for(*a, **kw), kind))
-    monkeypatch.setattr(torch_flash, "_DECISIONS", {})
+    reason_for = torch_flash.forward_fallback_reason
+    monkeypatch.setattr(torch_flash, "forward_fallback_reason",
+                        lambda *a, **kw: decided.append(a[5]) or reason_for(*a, **kw))
 
     class Original:
         def call_boxed(self, keyset, *args, **kwargs):
@@ -509,17 +509,18 @@ def test_the_fallback_decision_is_made_once_per_argument_facts(monkeypatch):
 
     kernel = torch_flash.dispatching_kernel("_flash_attention_forward", Original())
     torch_flash.CALLS.clear()
-    with torch_flash.use_kernels(STAND_IN):
-        for _ in range(3):  # fresh tensors, the same facts: another layer
-            out = kernel("keyset", *_dense(), None, None, 8, 8, 0.0, False, False, scale=0.5)[0]
-            assert out.shape == _dense()[0].shape
-        assert decided == [0.0]
-        assert kernel("keyset", *_dense(), None, None, 8, 8, 0.25, False, False, scale=0.5) == "aten's result"
-        q, k, v = _dense()
-        kernel("keyset", q[:, :4], k[:, :4], v[:, :4], None, None, 4, 4, 0.0, False, False, scale=0.5)
-        kernel("keyset", q.float(), k.float(), v.float(), None, None, 8, 8, 0.0, False, False, scale=0.5)
-    assert decided == [0.0, 0.25, 0.0, 0.0], "another dropout, shape or dtype is decided anew"
-    assert torch_flash.CALLS == {"forward": 4, "fallback": 2}
-    with torch_flash.use_kernels(STAND_IN._replace(device_error=lambda device: "not this device")):
-        assert kernel("keyset", *_dense(), None, None, 8, 8, 0.0, False, False, scale=0.5) == "aten's result"
-    assert len(decided) == 5, "another kernel seam is decided anew"
+    with fresh_memos():  # no decision from an earlier test
+        with torch_flash.use_kernels(STAND_IN):
+            for _ in range(3):  # fresh tensors, the same facts: another layer
+                out = kernel("keyset", *_dense(), None, None, 8, 8, 0.0, False, False, scale=0.5)[0]
+                assert out.shape == _dense()[0].shape
+            assert decided == [0.0]
+            assert kernel("keyset", *_dense(), None, None, 8, 8, 0.25, False, False, scale=0.5) == "aten's result"
+            q, k, v = _dense()
+            kernel("keyset", q[:, :4], k[:, :4], v[:, :4], None, None, 4, 4, 0.0, False, False, scale=0.5)
+            kernel("keyset", q.float(), k.float(), v.float(), None, None, 8, 8, 0.0, False, False, scale=0.5)
+        assert decided == [0.0, 0.25, 0.0, 0.0], "another dropout, shape or dtype is decided anew"
+        assert torch_flash.CALLS == {"forward": 4, "fallback": 2}
+        with torch_flash.use_kernels(STAND_IN._replace(device_error=lambda device: "not this device")):
+            assert kernel("keyset", *_dense(), None, None, 8, 8, 0.0, False, False, scale=0.5) == "aten's result"
+        assert len(decided) == 5, "another kernel seam is decided anew"

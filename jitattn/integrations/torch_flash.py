@@ -42,7 +42,7 @@ from torch import Tensor
 
 from jitattn.checks import Q_DTYPES as DTYPES, SUPPORTED_HEAD_DIMS as HEAD_DIMS
 from jitattn.errors import JitattnError
-from jitattn.kernel import evict_oldest
+from jitattn.kernel import call_memo, evict_oldest
 
 log = logging.getLogger("jitattn.torch_flash")
 
@@ -421,7 +421,7 @@ _LOGGED_REASONS: set = set()
 # (op, kernel seam, each argument's shape / dtype / device or value) -> its fallback reason: the
 # decisions read nothing else, and a model's layers repeat one call (the SDPA forward's reason
 # costs more than this key: it transposes and checks every tensor).
-_DECISIONS: dict = {}
+_DECISIONS: dict = call_memo()
 _DECISIONS_SIZE = 256
 
 
