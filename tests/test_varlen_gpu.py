@@ -501,6 +501,22 @@ def test_repeated_calls_are_bitwise_identical(num_splits):
         assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
 
 
+# ---------------------------------------------------------------- a decode loop (forward.py _next_length)
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("window", [(-1, -1), (255, 0)])
+def test_a_decode_loop_with_a_cache_one_key_longer_each_step_matches_reference(paged, window):
+    """Each step's keys in new tensors, one longer (a model's KV cache): the step's first call is
+    re-planned from the last step's launch (its family), the second is warm. Lengths cross the
+    short-call rule (SHORT_KEYS) and the split count's steps; every call against float64."""
+    for step, length in enumerate([60, 61, 127, 128, 129, 130, 700, 701, 5000, 5001, 12000, 12001]):
+        b = make_batch([1, 1, 1], [length, length // 3 + 1, 7], 16, 4, 128, BF16, seed=400 + step, paged=paged,
+                       page_size=16)
+        ref = reference(b, window)
+        for layer in range(2):
+            out, lse = run(b, window=window, want_lse=True)
+            check(b, out, lse, ref, f"decode loop step {step} ({length} keys) layer {layer}")
+
+
 # ---------------------------------------------------------------- torch's own varlen_attn
 def torch_varlen():
     """(function, kwargs builder) for torch.nn.attention.varlen.varlen_attn, or skip."""
