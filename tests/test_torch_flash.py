@@ -210,6 +210,35 @@ def test_sdpa_flash_op_matches_float64_forward_and_backward(provider_on_cpu, dty
     assert torch_flash.CALLS == {"forward": 1, "backward": 1}
 
 
+@pytest.mark.parametrize("seqlen_q,causal", [(1, False), (3, True)])
+def test_a_batched_kv_cache_is_read_in_place_from_its_slots(provider_on_cpu, seqlen_q, causal):
+    """SDPA's decode calls on a (B, H, L, D) KV cache with room for more keys (a static cache):
+    key and value reach the kernel as views of the cache's storage, each batch row a slot of
+    which seqused_k keys take part, never a copy of the cache; the result is float64's."""
+    batch, heads_q, heads_kv, length, room, dim = 3, 4, 2, 11, 16, 64
+    cache_k, cache_v = (torch.randn(batch, heads_kv, room, dim, dtype=torch.float16) for _ in range(2))
+    k, v = cache_k[:, :, :length], cache_v[:, :, :length]
+    q = torch.randn(batch, heads_q, seqlen_q, dim, dtype=torch.float16)
+    seen = []
+
+    def recording(out, query, key, value, *rest):
+        seen.append((key, value, rest[-3]))  # rest[-3]: seqused_k
+        return _reference_forward(out, query, key, value, *rest)
+
+    with torch_flash.use_kernels(STAND_IN._replace(forward=recording)):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)[:2]
+    key, value, used = seen[-1]
+    assert key.untyped_storage().data_ptr() == cache_k.untyped_storage().data_ptr()
+    assert value.untyped_storage().data_ptr() == cache_v.untyped_storage().data_ptr()
+    assert used.tolist() == [length] * batch
+    ref_out, ref_lse = attention_f64(q, k, v, 1 / math.sqrt(dim), -1, 0 if causal else -1)
+    _assert_close(out, ref_out, "out")
+    _assert_close(lse, ref_lse, "lse", 1e-3)
+    assert torch_flash.slotted_keys(k.transpose(1, 2)[:, :, :1], v.transpose(1, 2)[:, :, :1]) is not None
+    assert torch_flash.slotted_keys(k.transpose(1, 2), v.transpose(1, 2).contiguous()) is None, \
+        "key and value laid out alike, or no slots"
+
+
 def _packed_batch(lengths_q, lengths_k, heads_q, heads_kv, dim, dtype):
     cu_q = torch.tensor([0] + list(torch.tensor(lengths_q).cumsum(0)), dtype=torch.int32)
     cu_k = torch.tensor([0] + list(torch.tensor(lengths_k).cumsum(0)), dtype=torch.int32)

@@ -241,20 +241,45 @@ _CU_SEQ_CACHE: dict = {}
 _CU_SEQ_CACHE_SIZE = 64
 
 
-def dense_cu_seq(batch: int, seqlen: int, device: torch.device) -> Tensor:
-    """int32 [0, S, 2S, ..., B*S]: the sequence starts of B dense rows of S tokens, made once per
-    (B, S, device). Not kept when made inside CUDA graph capture (the captured fill runs only on
-    replay, so the tensor holds nothing yet for an eager call)."""
-    key = (batch, seqlen, device)
-    cu_seq = _CU_SEQ_CACHE.get(key)
-    if cu_seq is None:
-        cu_seq = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device) if seqlen \
-            else torch.zeros(batch + 1, dtype=torch.int32, device=device)
+def _kept(key: tuple, device: torch.device, make: Callable):
+    """make(), made once per key. Not kept when made inside CUDA graph capture (the captured fill
+    runs only on replay, so the tensor holds nothing yet for an eager call)."""
+    made = _CU_SEQ_CACHE.get(key)
+    if made is None:
+        made = make()
         if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             if len(_CU_SEQ_CACHE) >= _CU_SEQ_CACHE_SIZE:
                 _CU_SEQ_CACHE.pop(next(iter(_CU_SEQ_CACHE)))
-            _CU_SEQ_CACHE[key] = cu_seq
-    return cu_seq
+            _CU_SEQ_CACHE[key] = made
+    return made
+
+
+def dense_cu_seq(batch: int, seqlen: int, device: torch.device) -> Tensor:
+    """int32 [0, S, 2S, ..., B*S]: the sequence starts of B dense rows of S tokens, made once per
+    (B, S, device) (`_kept`)."""
+    return _kept((batch, seqlen, device), device, lambda: torch.arange(
+        0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device) if seqlen
+        else torch.zeros(batch + 1, dtype=torch.int32, device=device))
+
+
+def slotted_keys(key: Tensor, value: Tensor) -> tuple | None:
+    """Dense (B, L, H, D) key and value that are no packed rows but whose batch rows are evenly
+    spaced (the transpose of a (B, H, L, D) KV cache: SDPA's decode calls) as one (T, H, D) view
+    each over the same storage, batch row b a slot of `slot` tokens from b * slot of which the
+    first L take part: (key view, value view, cu_seq_k, seqused_k), nothing copied. None where
+    the strides do not allow it."""
+    batch, length, heads, dim = key.shape
+    stride_b, stride_l, stride_h, stride_d = key.stride()
+    if (batch < 2 or length == 0 or stride_d != 1 or value.stride() != key.stride() or stride_l <= 0
+            or stride_b % stride_l or stride_b // stride_l < length):
+        return None
+    slot = stride_b // stride_l
+    rows = (batch - 1) * slot + length  # the view ends where the last batch row's keys do
+    views = tuple(t.as_strided((rows, heads, dim), (stride_l, stride_h, 1)) for t in (key, value))
+    cu_k, used = _kept(("slots", batch, slot, length, key.device), key.device, lambda: (
+        torch.arange(0, (batch + 1) * slot, slot, dtype=torch.int32, device=key.device).clamp_(max=rows),
+        torch.full((batch,), length, dtype=torch.int32, device=key.device)))
+    return views + (cu_k, used)
 
 
 def aten_window(is_causal: bool, left, right) -> tuple[int, int]:
@@ -314,12 +339,19 @@ def flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_
     batch, seqlen_q, heads, _ = query.shape
     seqlen_k = key.shape[1]
     cu_q = dense_cu_seq(batch, seqlen_q, query.device)
-    cu_k = cu_q if seqlen_k == seqlen_q else dense_cu_seq(batch, seqlen_k, query.device)
+    # Keys that are no packed rows (a (B, H, L, D) cache) are read in place from their slots when
+    # their strides allow (`slotted_keys`), else copied.
+    slotted = None if _packed_view(key) is not None else slotted_keys(key, value)
+    if slotted is not None:
+        key_rows, value_rows, cu_k, used = slotted
+    else:
+        key_rows, value_rows, used = _packed(key), _packed(value), None
+        cu_k = cu_q if seqlen_k == seqlen_q else dense_cu_seq(batch, seqlen_k, query.device)
     out_packed = _packed_view(out)
     target = out_packed if out_packed is not None else torch.empty(
         batch * seqlen_q, heads, query.shape[-1], dtype=query.dtype, device=query.device)
-    lse = _kernels.forward(target, _packed(query), _packed(key), _packed(value), cu_q, cu_k, seqlen_q, seqlen_k,
-                           scale, window, enable_gqa, None, None, num_splits)
+    lse = _kernels.forward(target, _packed(query), key_rows, value_rows, cu_q, cu_k, seqlen_q, seqlen_k,
+                           scale, window, enable_gqa, used, None, num_splits)
     if out_packed is None:
         out.copy_(target.view(batch, seqlen_q, heads, -1))
     lse = lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
