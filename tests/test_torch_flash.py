@@ -237,6 +237,8 @@ def test_a_batched_kv_cache_is_read_in_place_from_its_slots(provider_on_cpu, seq
     assert torch_flash.slotted_keys(k.transpose(1, 2)[:, :, :1], v.transpose(1, 2)[:, :, :1]) is not None
     assert torch_flash.slotted_keys(k.transpose(1, 2), v.transpose(1, 2).contiguous()) is None, \
         "key and value laid out alike, or no slots"
+    assert torch_flash.slotted_keys(k.transpose(1, 2), cache_v[:, :, :length - 1].transpose(1, 2)) is None, \
+        "key and value of one shape, or no slots (the checks then refuse the call)"
 
 
 def _packed_batch(lengths_q, lengths_k, heads_q, heads_kv, dim, dtype):

@@ -270,8 +270,8 @@ def slotted_keys(key: Tensor, value: Tensor) -> tuple | None:
     the strides do not allow it."""
     batch, length, heads, dim = key.shape
     stride_b, stride_l, stride_h, stride_d = key.stride()
-    if (batch < 2 or length == 0 or stride_d != 1 or value.stride() != key.stride() or stride_l <= 0
-            or stride_b % stride_l or stride_b // stride_l < length):
+    if (batch < 2 or length == 0 or stride_d != 1 or value.shape != key.shape or value.stride() != key.stride()
+            or stride_l <= 0 or stride_b % stride_l or stride_b // stride_l < length):
         return None
     slot = stride_b // stride_l
     rows = (batch - 1) * slot + length  # the view ends where the last batch row's keys do
@@ -341,11 +341,13 @@ def flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_
     cu_q = dense_cu_seq(batch, seqlen_q, query.device)
     # Keys that are no packed rows (a (B, H, L, D) cache) are read in place from their slots when
     # their strides allow (`slotted_keys`), else copied.
-    slotted = None if _packed_view(key) is not None else slotted_keys(key, value)
+    key_rows = _packed_view(key)
+    slotted = None if key_rows is not None else slotted_keys(key, value)
     if slotted is not None:
         key_rows, value_rows, cu_k, used = slotted
     else:
-        key_rows, value_rows, used = _packed(key), _packed(value), None
+        key_rows = _packed(key) if key_rows is None else key_rows
+        value_rows, used = _packed(value), None
         cu_k = cu_q if seqlen_k == seqlen_q else dense_cu_seq(batch, seqlen_k, query.device)
     out_packed = _packed_view(out)
     target = out_packed if out_packed is not None else torch.empty(
