@@ -202,8 +202,8 @@ def compare(make, case, impls=("sdpa", "jitattn"), rounds: int = 3):
 
 def flash_provider_rows(data, layers, new, rounds: int = 3):
     """SDPA's flash path with torch's kernels, then with jitattn's (the provider), and SDPA's
-    default: {case: {setting: median rate, "ratios": sorted per-round jitattn / flash}}, the
-    settings timed in interleaved rounds on one set of weights, as `compare` does."""
+    default: yields (case, {setting: median rate, "ratios": sorted per-round jitattn / flash}) as each
+    case's rounds end, the settings timed in interleaved rounds on one set of weights, as `compare` does."""
     def run(setting):
         if setting == "default":
             return contextlib.nullcontext()
@@ -215,7 +215,6 @@ def flash_provider_rows(data, layers, new, rounds: int = 3):
         return stack
 
     settings = ("default", "flash", "jitattn")
-    rows = {}
     for name, case in (
         ("generate b1 tok/s", lambda m: generate_rate(m, data["b1"], new)[0]),
         ("train dense tok/s", lambda m: train_rate(m, data["dense"], BATCH * SEQ)),
@@ -235,9 +234,9 @@ def flash_provider_rows(data, layers, new, rounds: int = 3):
                     rates[setting].append(float("nan"))
         del models
         torch.cuda.empty_cache()
-        rows[name] = {setting: statistics.median(r) for setting, r in rates.items()}
-        rows[name]["ratios"] = sorted(j / f for j, f in zip(rates["jitattn"], rates["flash"]))
-    return rows
+        row = {setting: statistics.median(r) for setting, r in rates.items()}
+        row["ratios"] = sorted(j / f for j, f in zip(rates["jitattn"], rates["flash"]))
+        yield name, row
 
 
 def profile_decode(data, layers):
@@ -418,36 +417,15 @@ def main():
     data = inputs(torch.Generator().manual_seed(1))
     modes = [f"jitattn:{how}" for how in args.padding]
     padded = ("sdpa", "jitattn", *modes)
-    table = []
-    for layers in args.layers:
-        for name, key in (("generate b1 tok/s", "b1"), ("generate b8 padded tok/s", "b8")):
-            if wants(name):
-                table.append((f"{name}, {layers} layers", compare(lambda impl, s: llama(impl, layers, s),
-                                                                  lambda m: generate_rate(m, data[key], args.new,
-                                                                                          args.generate_repeats),
-                                                                  padded if key == "b8" else ("sdpa", "jitattn"),
-                                                                  args.rounds)))
-    layers = args.layers[0]
-    if wants("train packed"):
-        table.append((f"train packed tok/s, {layers} layers", compare(
-            lambda impl, s: llama(impl, layers, s), lambda m: train_rate(m, data["packed"], BATCH * SEQ),
-            rounds=args.rounds)))
-    padded_tokens = int(data["padded"]["attention_mask"].sum())
-    if wants("train padded"):
-        table.append((f"train padded tok/s, {layers} layers", compare(
-            lambda impl, s: llama(impl, layers, s), lambda m: train_rate(m, data["padded"], padded_tokens), padded,
-            args.rounds)))
-    for heads in (12, 6):
-        if wants("encoder"):
-            table.append((f"encoder d{384 // heads} sentences/s", compare(
-                lambda impl, s: encoder(impl, heads, s), lambda m: encode_rate(m, data["sentences"]), padded,
-                args.rounds)))
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"bf16; Llama hidden 2048, 16/4 heads of 128; prompts {PROMPT}, {args.new} new tokens")
     extra = "".join(f" {how:>10s} {'ratio':>7s}" for how in args.padding)
     print(f"{'case':42s} {'sdpa':>10s} {'jitattn':>10s} {'ratio':>7s} {'rounds min-max':>15s} "
-          f"{'cpu ratio':>9s} {'min-max':>11s}{extra}")
-    for name, (rates, ratios, cpu_ratios) in table:
+          f"{'cpu ratio':>9s} {'min-max':>11s}{extra}", flush=True)
+
+    def row(name, result):
+        """One case's line, printed as soon as its rounds are done (a run cut short keeps its rows)."""
+        rates, ratios, cpu_ratios = result
         spread, cpu = ratios["jitattn"], cpu_ratios["jitattn"]
         line = (f"{name:42s} {rates['sdpa']:10.0f} {rates['jitattn']:10.0f} {statistics.median(spread):6.2f}x "
                 f"{spread[0]:7.2f}-{spread[-1]:.2f}x "
@@ -455,22 +433,46 @@ def main():
         for mode in modes:
             if mode in rates:
                 line += f" {rates[mode]:10.0f} {statistics.median(ratios[mode]):6.2f}x"
-        print(line)
+        print(line, flush=True)
+
+    for layers in args.layers:
+        for name, key in (("generate b1 tok/s", "b1"), ("generate b8 padded tok/s", "b8")):
+            if wants(name):
+                row(f"{name}, {layers} layers", compare(lambda impl, s: llama(impl, layers, s),
+                                                        lambda m: generate_rate(m, data[key], args.new,
+                                                                                args.generate_repeats),
+                                                        padded if key == "b8" else ("sdpa", "jitattn"), args.rounds))
+    layers = args.layers[0]
+    if wants("train packed"):
+        row(f"train packed tok/s, {layers} layers", compare(
+            lambda impl, s: llama(impl, layers, s), lambda m: train_rate(m, data["packed"], BATCH * SEQ),
+            rounds=args.rounds))
+    padded_tokens = int(data["padded"]["attention_mask"].sum())
+    if wants("train padded"):
+        row(f"train padded tok/s, {layers} layers", compare(
+            lambda impl, s: llama(impl, layers, s), lambda m: train_rate(m, data["padded"], padded_tokens), padded,
+            args.rounds))
+    for heads in (12, 6):
+        if wants("encoder"):
+            row(f"encoder d{384 // heads} sentences/s", compare(
+                lambda impl, s: encoder(impl, heads, s), lambda m: encode_rate(m, data["sentences"]), padded,
+                args.rounds))
     if wants("host"):
         print(f"{'case (us: lower is better)':42s} {'sdpa':>10s} {'jitattn':>10s} {'sdpa/ours':>9s} {'rounds min-max':>15s}")
         for name, sdpa_us, ours_us, ratios in host_rows(args.rounds):
             print(f"{name:42s} {sdpa_us:10.1f} {ours_us:10.1f} {statistics.median(ratios):8.2f}x "
                   f"{ratios[0]:7.2f}-{ratios[-1]:.2f}x")
-    flash = flash_provider_rows(data, layers, args.new, args.rounds) if wants("flash") else {}
-    print(f"\nSDPA through torch's flash-attention registry, {layers} layers, {args.rounds} interleaved rounds "
-          "(flash: sdpa_kernel(FLASH_ATTENTION); jitattn: the same with jitattn.activate(); vs flash: the median "
-          "of the rounds' ratios)")
-    print(f"{'case':42s} {'default':>10s} {'flash':>10s} {'jitattn':>10s} {'vs flash':>9s} {'rounds min-max':>15s} "
-          f"{'vs default':>11s}")
-    for name, r in flash.items():
-        ratios = r["ratios"]
-        print(f"{name:42s} {r['default']:10.0f} {r['flash']:10.0f} {r['jitattn']:10.0f} "
-              f"{statistics.median(ratios):8.2f}x {ratios[0]:7.2f}-{ratios[-1]:.2f}x {r['jitattn'] / r['default']:10.2f}x")
+    if wants("flash"):
+        print(f"\nSDPA through torch's flash-attention registry, {layers} layers, {args.rounds} interleaved rounds "
+              "(flash: sdpa_kernel(FLASH_ATTENTION); jitattn: the same with jitattn.activate(); vs flash: the median "
+              "of the rounds' ratios)")
+        print(f"{'case':42s} {'default':>10s} {'flash':>10s} {'jitattn':>10s} {'vs flash':>9s} {'rounds min-max':>15s} "
+              f"{'vs default':>11s}", flush=True)
+        for name, r in flash_provider_rows(data, layers, args.new, args.rounds):
+            ratios = r["ratios"]
+            print(f"{name:42s} {r['default']:10.0f} {r['flash']:10.0f} {r['jitattn']:10.0f} "
+                  f"{statistics.median(ratios):8.2f}x {ratios[0]:7.2f}-{ratios[-1]:.2f}x "
+                  f"{r['jitattn'] / r['default']:10.2f}x", flush=True)
     if args.profile:
         profile_decode(data, layers)
         profile_encoder(data, padded)
