@@ -39,7 +39,7 @@ def _backward_tile80(request, monkeypatch):
     0: no call on the backward's 80-row tile (spec.TILE80_HEAD_DIMS empty); all: every D128 call
     but a soft-capped one on it, windows and variants too (spec.TILE80_FEATURES: all of them).
     JITATTN_TEST_BACKWARD_EARLY_PROBS=0|1: spec.EARLY_UNIT_SLOPE_PROBS off|on (a bias table's P^T under
-    dP^T's GEMM; off by default)."""
+    dP^T's GEMM; on by default)."""
     if "gpu" in request.node.keywords:
         from jitattn.varlen import spec as spec_module
 

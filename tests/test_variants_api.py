@@ -196,36 +196,38 @@ def test_unit_slope_marks_score_mods_whose_slope_is_one():
 
 
 def test_early_unit_slope_probs_is_a_parameter_of_score_mod_backwards_in_their_keys(monkeypatch):
-    """spec.EARLY_UNIT_SLOPE_PROBS: off by default; on, a score_mod's backward renders with it (a
+    """spec.EARLY_UNIT_SLOPE_PROBS: on by default; off, a score_mod's backward renders without it (a
     new key, through the parameters' digest), a backward without one is the same kernel."""
     from jitattn.varlen import spec as spec_module
 
     target = keys.BuildTarget(("9.0a",), "13.0", "gcc")
     table = VarlenBackwardSpec.for_call(128, "bfloat16", False, False, True, score_mod=BIAS_TABLE.key_text)
     plain = VarlenBackwardSpec.for_call(128, "bfloat16", False, False, True)
-    assert not table.params()["early_unit_slope_probs"]
-    before = [keys.key_of(keys.components(spec, target)) for spec in (table, plain)]
-    monkeypatch.setattr(spec_module, "EARLY_UNIT_SLOPE_PROBS", True)
     assert table.params()["early_unit_slope_probs"] and not plain.params()["early_unit_slope_probs"]
+    before = [keys.key_of(keys.components(spec, target)) for spec in (table, plain)]
+    monkeypatch.setattr(spec_module, "EARLY_UNIT_SLOPE_PROBS", False)
+    assert not table.params()["early_unit_slope_probs"]
     after = [keys.key_of(keys.components(spec, target)) for spec in (table, plain)]
     assert after[0] != before[0] and after[1] == before[1]
 
 
 @pytest.mark.compile
-def test_a_bias_tables_backward_builds_with_its_probs_under_the_dp_gemm(cache_root, monkeypatch):
+@pytest.mark.parametrize("early", [True, False])
+def test_a_bias_tables_backward_builds_with_its_probs_under_the_dp_gemm_or_after_it(cache_root, monkeypatch, early):
     """A real build (nvcc, in this process) of the bias table's wgmma backward with
-    spec.EARLY_UNIT_SLOPE_PROBS on: the rung's P^T-only walk (scored_probs_to_dscores<false>) compiles."""
+    spec.EARLY_UNIT_SLOPE_PROBS on (the default: the rung's P^T-only walk, scored_probs_to_dscores<false>)
+    and off (P^T and dS^T after both GEMMs, what JITATTN_TEST_BACKWARD_EARLY_PROBS=0 runs)."""
     require_nvcc()
     from jitattn.jit import prewarm
     from jitattn.varlen import spec as spec_module
 
     monkeypatch.setenv("JITATTN_CUDA_ARCH_LIST", "9.0")
-    monkeypatch.setattr(spec_module, "EARLY_UNIT_SLOPE_PROBS", True)
+    monkeypatch.setattr(spec_module, "EARLY_UNIT_SLOPE_PROBS", early)
     spec = VarlenBackwardSpec.for_call(128, "bfloat16", False, False, True, score_mod=BIAS_TABLE.key_text)
     outcome = prewarm.build_one(spec, force=True)
     assert outcome.status == "built", outcome
     sources = [path.read_text() for path in cache_root.rglob("kernels.cu")]
-    assert len(sources) == 1 and "constexpr bool EARLY_UNIT_SLOPE_PROBS = true;" in sources[0]
+    assert len(sources) == 1 and f"constexpr bool EARLY_UNIT_SLOPE_PROBS = {str(early).lower()};" in sources[0]
 
 
 @pytest.mark.compile

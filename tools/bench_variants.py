@@ -15,11 +15,12 @@ With --rows80 each row also times jitattn's backward on the 80-row tile (forced 
 onto every D128 producer call, as spec.TILE80_FEATURES listing all call features would): the
 columns "bwd80" and its ratio to Flex.
 
---early-probs builds the backward with spec.EARLY_UNIT_SLOPE_PROBS on (a bias table's P^T computed
-under dP^T's GEMM; only the bias table's rows change), for a run beside one without it.
+--no-early-probs builds the backward with spec.EARLY_UNIT_SLOPE_PROBS off (a bias table's P^T computed
+with dS^T after both GEMMs instead of under dP^T's; only the bias table's rows change), for a run
+beside the default.
 
     python3 tools/bench_variants.py [--batch 8 --seqlen 4096 --heads 32 --head-dim 128] [--quick] [--rows80]
-                                    [--early-probs]
+                                    [--no-early-probs]
 """
 from __future__ import annotations
 
@@ -81,8 +82,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="*", default=None, help="variant names to run (substring match)")
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--parts", nargs="*", default=["variants", "builtin", "softcap"])
-    parser.add_argument("--early-probs", action="store_true",
-                        help="the backward with spec.EARLY_UNIT_SLOPE_PROBS on (score_mods whose slope is 1)")
+    parser.add_argument("--no-early-probs", action="store_true",
+                        help="the backward with spec.EARLY_UNIT_SLOPE_PROBS off (score_mods whose slope is 1)")
     parser.add_argument("--rows80", action="store_true",
                         help="also time the backward on the 80-row tile (D128: every call but a soft-capped one)")
     args = parser.parse_args(argv)
@@ -90,11 +91,11 @@ def main(argv=None) -> int:
         args.rounds = 1
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    if args.early_probs:  # before any call plans: a template parameter, part of the kernels' keys
+    if args.no_early_probs:  # before any call plans: a template parameter, part of the kernels' keys
         from jitattn.varlen import spec
 
-        spec.EARLY_UNIT_SLOPE_PROBS = True
-        print("the backward with spec.EARLY_UNIT_SLOPE_PROBS on", flush=True)
+        spec.EARLY_UNIT_SLOPE_PROBS = False
+        print("the backward with spec.EARLY_UNIT_SLOPE_PROBS off", flush=True)
     if "variants" in args.parts or "builtin" in args.parts:
         bench_variants(args, device)
     if "softcap" in args.parts:

@@ -18,9 +18,9 @@
 # with the 80-row tile forced onto causal calls too (BENCH=bwd or variants) and bench_variants.py's
 # bwd80 columns; ROWS80=all runs every GPU test with every D128 backward call but a soft-capped one on
 # the 80-row tile (windows, score_mods, mask_mods: spec.TILE80_FEATURES), JIT on (the seed's manifests
-# list the plan's choice, not these), and the benchmarks as ROWS80=1. EARLY=1 runs the GPU tests with
-# spec.EARLY_UNIT_SLOPE_PROBS on (JIT on) and, with BENCH=variants, the bias table's rows again with
-# it (bench_variants.py --early-probs). --profile adds the host
+# list the plan's choice, not these), and the benchmarks as ROWS80=1. EARLY=0 runs the GPU tests with
+# spec.EARLY_UNIT_SLOPE_PROBS off (JIT on) and, with BENCH=variants, the bias table's rows again
+# without it (bench_variants.py --no-early-probs). --profile adds the host
 # breakdown, per-kernel times and the split sweep; NCU=1 also an ncu summary of the kernels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,9 +59,9 @@ if [ "${ROWS80:-}" = all ]; then
   export JITATTN_TEST_BACKWARD_ROWS80=all JITATTN_DISABLE_JIT=0
   echo "the GPU tests with every D128 backward call but a soft-capped one on the 80-row tile (JIT on)"
 fi
-if [ "${EARLY:-0}" = 1 ]; then
-  export JITATTN_TEST_BACKWARD_EARLY_PROBS=1 JITATTN_DISABLE_JIT=0
-  echo "the GPU tests with spec.EARLY_UNIT_SLOPE_PROBS on (JIT on)"
+if [ "${EARLY:-1}" = 0 ]; then
+  export JITATTN_TEST_BACKWARD_EARLY_PROBS=0 JITATTN_DISABLE_JIT=0
+  echo "the GPU tests with spec.EARLY_UNIT_SLOPE_PROBS off (JIT on)"
 fi
 rows80_bench=$([ "${ROWS80:-}" = 1 ] || [ "${ROWS80:-}" = all ] && echo --rows80)
 if [ "${TESTS:-1}" = 1 ] && [ "${SHARDS:-4}" -gt 1 ]; then
@@ -158,8 +158,8 @@ wants sweep && python3 tools/bench_sweep.py --quick --json "$OUT/sweep.json" 2>&
 # compiles the variant kernels it meets (JIT on, into the writable cache).
 wants variants && JITATTN_DISABLE_JIT=0 python3 tools/bench_variants.py ${VARIANTS_ARGS:-} $rows80_bench 2>&1 \
   | tee "$OUT/bench_variants.log"
-wants variants && [ "${EARLY:-0}" = 1 ] && JITATTN_DISABLE_JIT=0 python3 tools/bench_variants.py --parts variants \
-  --only "bias table" --early-probs $rows80_bench 2>&1 | tee -a "$OUT/bench_variants.log"
+wants variants && [ "${EARLY:-1}" = 0 ] && JITATTN_DISABLE_JIT=0 python3 tools/bench_variants.py --parts variants \
+  --only "bias table" --no-early-probs $rows80_bench 2>&1 | tee -a "$OUT/bench_variants.log"
 # What the variants table's backward column holds (the kernels alone, the grad path's host enqueue).
 { wants variants || wants bwd; } && JITATTN_DISABLE_JIT=0 python3 tools/bwd_method.py --profile $rows80_bench 2>&1 \
   | tee "$OUT/bwd_method.log"

@@ -68,11 +68,11 @@ TILE80_FEATURES: frozenset[str] = frozenset({"affine_score_mod"})
 # The wgmma backward computes P^T of a score_mod whose slope is 1 but that is not KV_AFFINE (a bias
 # table: score + bias[h, q_idx - kv_idx]) while dP^T's GEMM runs, as without a hook, instead of
 # with dS^T after both GEMMs (templates/varlen/backward_wgmma.cuh). A template parameter (in the
-# keys through the parameters' digest). It measured faster (notes/variants-h100.md, seventeenth
-# session) and its GPU tests pass at D64 / D256 and on D128's 80-row tile; off until they pass on
-# the kernel D128 calls take, the persistent 64-row one (no GPU run has checked that one yet):
-# JITATTN_TEST_BACKWARD_EARLY_PROBS=1 runs the GPU suite with it, bench_variants.py --early-probs times it.
-EARLY_UNIT_SLOPE_PROBS: bool = False
+# keys through the parameters' digest). Faster on every kernel it changes, its GPU tests passing on
+# each (notes/variants-h100.md, seventeenth and nineteenth sessions).
+# JITATTN_TEST_BACKWARD_EARLY_PROBS=0 runs the GPU suite without it, bench_variants.py --no-early-probs
+# times the backward without it.
+EARLY_UNIT_SLOPE_PROBS: bool = True
 
 
 @functools.lru_cache(maxsize=256)
