@@ -182,9 +182,11 @@ def test_removing_the_handle_gives_the_ops_back():
     dict(causal=True, scale=0.3, heads_kv=4, sq=9, sk=9, layout="bshd"),
     dict(causal=True, scale=None, heads_kv=2, sq=5, sk=11, layout="bhsd"),   # GQA, bottom-right causal
     dict(causal=False, scale=0.05, heads_kv=1, sq=3, sk=8, layout="bshd"),   # MQA
+    dict(causal=False, scale=None, heads_kv=2, sq=1, sk=9, layout="bhsd", batch=1),  # a decode step
+    dict(causal=True, scale=None, heads_kv=4, sq=6, sk=6, layout="bhsd", batch=1),
 ])
 def test_sdpa_flash_op_matches_float64_forward_and_backward(provider_on_cpu, dtype, case):
-    batch, heads, dim = 2, 4, 64
+    batch, heads, dim = case.get("batch", 2), 4, 64
     q, k, v = _inputs((batch, heads, case["sq"], dim), (batch, case["heads_kv"], case["sk"], dim), dtype,
                       case["layout"])
     result = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, case["causal"], False,

@@ -293,14 +293,23 @@ def aten_window(is_causal: bool, left, right) -> tuple[int, int]:
 
 def _packed(t: Tensor) -> Tensor:
     """(B, S, H, D) as (B*S, H, D): a view where the strides allow, else a copy."""
-    return t.reshape(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
+    packed = _packed_view(t)
+    return packed if packed is not None else t.reshape(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
 
 
 def _packed_view(t: Tensor) -> Tensor | None:
-    try:
-        return t.view(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
-    except RuntimeError:
+    """(B, S, H, D) as a (B*S, H, D) view, or None where the batch rows are not evenly spaced tokens
+    (decided from the strides: a failed `view` raises, and building its message cost more than the
+    rest of a decode call's argument mapping)."""
+    batch, seqlen, heads, dim = t.shape
+    stride_b, stride_s, stride_h, stride_d = t.stride()
+    if seqlen == 1:
+        token = stride_b
+    elif batch == 1 or stride_b == seqlen * stride_s:
+        token = stride_s
+    else:
         return None
+    return t.as_strided((batch * seqlen, heads, dim), (token, stride_h, stride_d))
 
 
 def _like(result: Tensor, like: Tensor) -> Tensor:
@@ -312,11 +321,13 @@ def _like(result: Tensor, like: Tensor) -> Tensor:
 
 
 def _aux(query: Tensor, compute: bool = True):
-    """(rng_state, philox_offset, debug_mask) as aten's flash kernels return them without dropout."""
+    """(rng_state, philox_offset, debug_mask) with the shapes and dtypes aten's flash kernels return
+    without dropout. Their values are never read without dropout (the backward takes them only to
+    replay a dropout mask), so they are not filled: each fill was a kernel launch a call."""
     if not compute:
         return None, None, None
-    return (torch.zeros((2,), dtype=torch.uint64, device=query.device),
-            torch.zeros((), dtype=torch.uint64, device=query.device),
+    return (torch.empty((2,), dtype=torch.uint64, device=query.device),
+            torch.empty((), dtype=torch.uint64, device=query.device),
             torch.empty(0, dtype=query.dtype, device=query.device))
 
 
@@ -356,7 +367,8 @@ def flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_
                            scale, window, enable_gqa, used, None, num_splits)
     if out_packed is None:
         out.copy_(target.view(batch, seqlen_q, heads, -1))
-    lse = lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
+    # (H, B*S) -> (B, H, S): a view at batch 1, a copy otherwise
+    lse = lse.unsqueeze(0).contiguous() if batch == 1 else lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
     return (out, lse) + _aux(query, compute_auxiliary)
 
 
