@@ -368,7 +368,7 @@ def flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_
     if out_packed is None:
         out.copy_(target.view(batch, seqlen_q, heads, -1))
     # (H, B*S) -> (B, H, S): a view at batch 1, a copy otherwise
-    lse = lse.unsqueeze(0).contiguous() if batch == 1 else lse.reshape(heads, batch, seqlen_q).transpose(0, 1).contiguous()
+    lse = (lse.unsqueeze(0) if batch == 1 else lse.reshape(heads, batch, seqlen_q).transpose(0, 1)).contiguous()
     return (out, lse) + _aux(query, compute_auxiliary)
 
 
