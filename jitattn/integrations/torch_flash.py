@@ -357,7 +357,8 @@ def flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_
     if slotted is not None:
         key_rows, value_rows, cu_k, used = slotted
     else:
-        key_rows = _packed(key) if key_rows is None else key_rows
+        if key_rows is None:  # no view (just asked): a copy
+            key_rows = key.reshape(batch * seqlen_k, key.shape[2], key.shape[3])
         value_rows, used = _packed(value), None
         cu_k = cu_q if seqlen_k == seqlen_q else dense_cu_seq(batch, seqlen_k, query.device)
     out_packed = _packed_view(out)
