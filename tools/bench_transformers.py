@@ -288,7 +288,25 @@ def profile_python(data, layers, impls):
         stats = pstats.Stats(prof)
         print(f"\n-- cProfile, {label}: {stats.total_tt * 1e3:.1f} ms in all")
         stats.sort_stats("tottime").print_stats(18)
-        stats.sort_stats("cumulative").print_stats("jitattn", 18)
+        stats.sort_stats("cumulative").print_stats("attention|jitattn", 18)
+
+    def steps_wall(m, nxt, step, steps=20):
+        """ms a decode step, GC on and off, and the GC passes per generation those steps ran: the
+        in-situ cost that a layer call timed alone (decode_host.py) does not show."""
+        walls = {}
+        for enabled in (True, False, True):
+            before = [s["collections"] for s in gc.get_stats()]
+            (gc.enable if enabled else gc.disable)()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(steps):
+                m(nxt, **step)
+            torch.cuda.synchronize()
+            walls.setdefault(enabled, []).append((time.perf_counter() - start) / steps * 1e3)
+            gc.enable()
+            passes = [s["collections"] - b for s, b in zip(gc.get_stats(), before)]
+        print(f"   {steps} steps: {min(walls[True]):.2f} ms a step with GC, {walls[False][0]:.2f} without; "
+              f"GC passes by generation in the last {steps}: {passes}")
 
     state = None
     for impl in ("sdpa", "jitattn"):
@@ -300,6 +318,8 @@ def profile_python(data, layers, impls):
             step = {"past_key_values": out.past_key_values, "use_cache": True}
             for _ in range(3):
                 m(nxt, **step)
+            print(f"\n-- {impl}, b1 decode steps, {layers} layers")
+            steps_wall(m, nxt, step)
             torch.cuda.synchronize()
             prof = cProfile.Profile()
             prof.enable()
