@@ -176,17 +176,18 @@ def padding(impl: str):
 def compare(make, case, impls=("sdpa", "jitattn"), rounds: int = 3):
     """{impl: rate} for one case, {impl: [its rate over sdpa's, per round]} and the same of the
     rates per CPU second where the case gives them (else empty lists): each implementation
-    on the same weights, all built first, then timed in interleaved rounds (sdpa, jitattn, sdpa,
-    ...) and the median kept, so a drift of the machine's clocks or host load reaches every
-    implementation alike."""
+    on the same weights, all built first, then timed in interleaved rounds (sdpa, jitattn, then
+    jitattn, sdpa, ...) and the median kept, so a drift of the machine's clocks or host load, or
+    a cost of running first or second, reaches every implementation alike."""
     models, state = {}, None
     for impl in impls:
         models[impl] = make(impl.partition(":")[0], state)
         state = state or models[impl].state_dict()
     rates = {impl: [] for impl in impls}
     cpu_rates = {impl: [] for impl in impls}  # cases that also return a rate per CPU second
-    for _ in range(rounds):
-        for impl in impls:
+    for r in range(rounds):
+        for impl in (impls if r % 2 == 0 else impls[::-1]):  # ABBA: neither always runs first
+            gc.collect()  # the last case's garbage is not collected inside this one's timing
             with padding(impl):
                 rate = case(models[impl])
             if isinstance(rate, tuple):
@@ -224,8 +225,9 @@ def flash_provider_rows(data, layers, new, rounds: int = 3):
             models[setting] = llama("sdpa", layers, state)
             state = state or models[setting].state_dict()
         rates = {setting: [] for setting in settings}
-        for _ in range(rounds):
-            for setting in settings:
+        for r in range(rounds):
+            for setting in (settings if r % 2 == 0 else settings[::-1]):  # as compare: neither end always first
+                gc.collect()
                 try:
                     with run(setting):
                         rates[setting].append(case(models[setting]))
