@@ -43,7 +43,7 @@ if [ -z "$seed" ] && [ "${SEED_PREWARM:-0}" = 1 ]; then
   if [ ! -d "$seed" ]; then  # a warm machine's earlier call may have built it
     # (pipefail: a prewarm that failed a spec leaves no seed; tail alone would pass)
     JITATTN_CACHE_DIR=$seed.building python3 -m jitattn prewarm cache/gpu-tests.toml cache/gpu-dropin.toml cache/variants.toml \
-      cache/gpu-tests-compiled.toml --arch 9.0 -j "$(nproc)" 2>&1 | tail -3 && mv $seed.building "$seed" || exit 1
+      cache/gpu-tests-compiled.toml cache/softcap.toml --arch 9.0 -j "$(nproc)" 2>&1 | tail -3 && mv $seed.building "$seed" || exit 1
   fi
 fi
 if [ -n "$seed" ]; then
