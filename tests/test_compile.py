@@ -427,7 +427,7 @@ def test_cache_root_below_a_file_raises_cache_not_writable(tmp_path, monkeypatch
 
 def test_each_varlen_tile_shape_compiles_and_loads_its_entry_point(tmp_path, monkeypatch):
     """The varlen family's tile shapes (prefill, decode, and the Hopper wgmma prefill, also its
-    persistent schedule; a soft cap's static max on two of them), paged and not: real nvcc builds through the pipeline (sm_90; sm_90a for
+    persistent schedule), paged and not: real nvcc builds through the pipeline (sm_90; sm_90a for
     wgmma), each loaded with its ctas_per_sm op and its C launch entry, whose params layout matches
     Python's packing (VarlenKernel compares sizes on load); a failure inside the entry comes back as
     a RuntimeError, never as an exception crossing the C boundary."""
@@ -440,12 +440,7 @@ def test_each_varlen_tile_shape_compiles_and_loads_its_entry_point(tmp_path, mon
                  VarlenSpec(head_dim=64, dtype="float16", paged=False, decode=True),
                  VarlenSpec(head_dim=128, dtype="bfloat16", paged=False, decode=False, wgmma=True),
                  *(VarlenSpec(head_dim=d, dtype="bfloat16", paged=False, decode=False, wgmma=True, tma=True,
-                              split_kv=d == 256, persistent=True) for d in (64, 128, 256)),
-                 # the soft cap's static max (spec.STATIC_SOFTCAP_MAX): the wgmma loop and the
-                 # decode tile's merge of warp columns
-                 VarlenSpec(head_dim=128, dtype="bfloat16", paged=False, decode=False, wgmma=True, tma=True,
-                            persistent=True, soft_cap=True, static_max=True),
-                 VarlenSpec(head_dim=64, dtype="bfloat16", paged=True, decode=True, soft_cap=True, static_max=True)):
+                              split_kv=d == 256, persistent=True) for d in (64, 128, 256))):
         module, was_compiled = loader.build_spec(spec)
         assert was_compiled and cache.why_invalid(module.entry.path) is None
         assert ("sm90a" in module.entry.path.parent.name) == spec.wgmma

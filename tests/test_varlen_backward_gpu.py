@@ -41,7 +41,6 @@ import jitattn.varlen.ops  # noqa: F401  (registers torch.ops.jitattn.varlen_att
 from jitattn.jit.loader import get_module
 from jitattn.reference import varlen_attn_reference
 from jitattn.reference_backward import varlen_attn_backward as closed_form_backward
-from jitattn.varlen import spec as varlen_spec
 from tests.gpu_utils import poison_allocator, rel_error
 from tests.varlen_utils import DEVICE, Batch, make_batch, reference
 
@@ -343,20 +342,6 @@ def test_soft_cap_gradients_match_reference(window, dtype, head_dim, rung):
     check_grads(b, got, oracle(b, WINDOWS[window], grad_out, grad_lse=grad_lse, softcap=SOFT_CAP), f"softcap {window}")
     _, uncapped = oracle(b, WINDOWS[window], grad_out, grad_lse=grad_lse)
     assert rel_error(got[0], uncapped[0]) > 10 * REL_TOL[dtype], "soft cap: dq is the uncapped one"
-
-
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("window", ["causal", "full"])
-def test_the_static_max_forward_feeds_the_soft_cap_backward(window, head_dim, rung, monkeypatch):
-    """spec.STATIC_SOFTCAP_MAX: the backward recomputes P from the lse of a forward that
-    subtracted a constant bound instead of the running max (bfloat16, a cap within
-    STATIC_MAX_CAP); its gradients still match."""
-    monkeypatch.setattr(varlen_spec, "STATIC_SOFTCAP_MAX", True)
-    b = make_batch(LEN_Q, LEN_K, 8, 2, head_dim, BF16, seed=45 + head_dim)
-    grad_out, grad_lse = grad_out_for(b, 5), grad_lse_for(b, 5)
-    got = run_backward(b, WINDOWS[window], grad_out, grad_lse=grad_lse, softcap=SOFT_CAP)
-    check_grads(b, got, oracle(b, WINDOWS[window], grad_out, grad_lse=grad_lse, softcap=SOFT_CAP),
-                f"static max softcap {window}")
 
 
 def test_one_visible_key_gives_zero_dq_and_dk_and_dv_equal_to_do(rung):

@@ -188,37 +188,6 @@ def test_a_soft_cap_takes_the_capped_specialization_and_reaches_the_kernel(launc
         assert spec.soft_cap is False and run["softcap"] == 0.0
 
 
-@pytest.mark.parametrize("on", [False, True])
-def test_a_small_bfloat16_soft_cap_takes_the_static_max_where_it_is_on(launches, monkeypatch, on):
-    """spec.STATIC_SOFTCAP_MAX: a bfloat16 call whose cap is at most STATIC_MAX_CAP runs the
-    static-max kernel; a larger cap (its exponentials would leave fp32's range), float16 (P would
-    overflow it) and the switch off keep the running max. The cap value still reaches the kernel."""
-    monkeypatch.setattr(spec_module, "STATIC_SOFTCAP_MAX", on)
-    for cap, dtype, static in ((50.0, torch.bfloat16, on), (spec_module.STATIC_MAX_CAP, torch.bfloat16, on),
-                               (spec_module.STATIC_MAX_CAP + 1, torch.bfloat16, False), (2.0, torch.float16, False)):
-        spec, run = launch(launches, **batch([20], [50], dtype=dtype), softcap=cap)
-        assert spec.soft_cap and spec.static_max is static and ("_staticmax" in spec.name) is static, (cap, dtype)
-        assert run["softcap"] == cap
-    spec, _ = launch(launches, **batch([20], [50]))
-    assert not spec.static_max  # no cap: nothing to bound the logits
-
-
-def test_the_static_max_is_a_bfloat16_soft_cap_field():
-    assert VarlenSpec(128, "bfloat16", soft_cap=True, static_max=True).static_max
-    for fields in ({"dtype": "bfloat16"}, {"dtype": "float16", "soft_cap": True}):
-        with pytest.raises(ValueError, match="static_max=True bounds a soft-capped bfloat16 softmax"):
-            VarlenSpec(128, static_max=True, **fields)
-
-
-def test_prewarm_of_a_soft_cap_builds_both_maxima_where_the_static_one_is_on(monkeypatch):
-    fields = {"head_dim": 128, "dtype": "bfloat16", "soft_cap": True, "paged": False}
-    assert not any(v["static_max"] for v in VarlenSpec.prewarm_variants(fields, ("9.0",)))
-    monkeypatch.setattr(spec_module, "STATIC_SOFTCAP_MAX", True)
-    variants = VarlenSpec.prewarm_variants(fields, ("9.0",))
-    assert {v["static_max"] for v in variants} == {False, True}
-    assert not any(v["static_max"] for v in VarlenSpec.prewarm_variants({**fields, "dtype": "float16"}, ("9.0",)))
-
-
 def test_an_out_the_kernel_cannot_write_in_place_gets_the_result_copied_in(launches):
     args = batch([3, 5], [10, 10], h_q=8, h_kv=8)
     aligned = torch.full((8, 8, 128), float("nan"), dtype=torch.bfloat16)

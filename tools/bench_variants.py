@@ -249,8 +249,8 @@ def _check(mine, peer, inputs, name):
 
 
 def bench_softcap(args, device):
-    """softcap= against no cap, forward, D64 / D128 / D256, with the forward's levers forced by
-    override (the static max, poly_exp2 on part of the columns, the exact tanh), and the capped output's
+    """softcap= against no cap, forward, D64 / D128 / D256, with the forward's MUFU levers forced by
+    override (poly_exp2 on part of the columns, the exact tanh), and the capped output's
     error against float64 (the hardware tanh, the default, and the exact tanh)."""
     from jitattn.reference import varlen_attn_reference
     from jitattn.varlen.plan import override_spec
@@ -259,7 +259,6 @@ def bench_softcap(args, device):
     reps = 10 if args.quick else 20
     variants = {  # name -> (softcap, forced fields of the forward spec)
         "no cap": (None, {}), "cap": (50.0, {}),
-        "cap, static max": (50.0, {"static_max": True}),
         "cap, poly1": (50.0, {"poly_exp2": 1}), "cap, poly2": (50.0, {"poly_exp2": 2}),
         "cap, exact tanh": (50.0, {"exact_soft_cap": True}),
     }

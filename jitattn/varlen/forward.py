@@ -17,7 +17,7 @@ from jitattn.varlen.checks import VarlenCall, check_positions, check_varlen_valu
 from jitattn.varlen.launch import VarlenKernel
 from jitattn.varlen.plan import (DECODE_ROWS, MAX_SPLITS, MIN_SPLIT_TILES, SHORT_KEYS, SHORT_ROWS, auto_splits,
                                  is_hopper)
-from jitattn.varlen.spec import VarlenSpec, mask_map_flag, small_cap
+from jitattn.varlen.spec import VarlenSpec, mask_map_flag
 
 LOG2E = 1.4426950408889634
 
@@ -79,7 +79,7 @@ def plan(call: VarlenCall) -> Launch:
     group = args.num_heads_q // args.num_heads_kv
     hopper = is_hopper(args.device)
     # for_call's arguments in its order (head_dim, dtype, paged, soft cap, few rows, one split,
-    # sm_90, JITATTN_WGMMA there, short, a cap within STATIC_MAX_CAP), then the override state
+    # sm_90, JITATTN_WGMMA there, short), then the override state
     # (and the variants' canonical texts)
     score_mod = call.score_mod
     # A mask_mod that is a window runs as the built-in window (jitattn/variants/window.py).
@@ -89,11 +89,10 @@ def plan(call: VarlenCall) -> Launch:
     short_rows = max_q * group <= SHORT_ROWS
     short = short_rows and call.max_k <= SHORT_KEYS
     facts = (args.head_dim, query.dtype, args.paged, args.softcap > 0, max_q * group <= DECODE_ROWS,
-             args.num_splits == 1, hopper, hopper and env.wgmma_enabled(), short, small_cap(args.softcap),
-             overrides.state(), variants)
+             args.num_splits == 1, hopper, hopper and env.wgmma_enabled(), short, overrides.state(), variants)
     entry = _kernels.get(facts)
     if entry is None:
-        spec = VarlenSpec.for_call(facts[0], check.DTYPE_NAMES[query.dtype], *facts[2:10], score_mod=variants[0],
+        spec = VarlenSpec.for_call(facts[0], check.DTYPE_NAMES[query.dtype], *facts[2:9], score_mod=variants[0],
                                    mask_mod=variants[1])
         entry = _kernels[facts] = (VarlenKernel(get_module(spec), spec), spec.block_m, spec.block_n)
     kernel, block_m, tile_n = entry

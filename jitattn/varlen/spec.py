@@ -73,19 +73,6 @@ TILE80_FEATURES: frozenset[str] = frozenset({"affine_score_mod"})
 # JITATTN_TEST_BACKWARD_EARLY_PROBS=0 runs the GPU suite without it, bench_variants.py --no-early-probs
 # times the backward without it.
 EARLY_UNIT_SLOPE_PROBS: bool = True
-# A bfloat16 forward whose soft cap is at most STATIC_MAX_CAP subtracts a constant instead of each
-# row's running max (VarlenSpec.static_max; templates/common/softmax.cuh's STATIC_MAX_HEADROOM):
-# capped logits lie in [-cap, cap], so the exponentials stay in [2^(64 - 2 cap log2 e), 2^64], normal
-# in fp32 and bfloat16 while 2 cap log2(e) - 64 <= 120 (fp16's range is too narrow). It drops the
-# row max and O's rescale from every tile, which is issue slots the soft cap's two MUFU operations
-# per logit compete with. Off until measured on a GPU (notes/softcap.md, twentieth session).
-STATIC_SOFTCAP_MAX: bool = False
-STATIC_MAX_CAP: float = 63.0
-
-
-def small_cap(softcap: float) -> bool:
-    """for_call's small_cap fact of a call's soft cap (0: none), with STATIC_SOFTCAP_MAX read now."""
-    return STATIC_SOFTCAP_MAX and 0 < softcap <= STATIC_MAX_CAP
 
 
 @functools.lru_cache(maxsize=256)
@@ -189,9 +176,6 @@ def _check_variants(spec) -> None:
                          "write the cap in the score_mod")
     if spec.exact_soft_cap and not spec.soft_cap:
         raise ValueError(f"{spec.family} spec: exact_soft_cap=True picks the soft cap's tanh: set soft_cap=True")
-    if getattr(spec, "static_max", False) and not (spec.soft_cap and spec.dtype == "bfloat16"):
-        raise ValueError(f"{spec.family} spec: static_max=True bounds a soft-capped bfloat16 softmax by its cap: "
-                         f"set soft_cap=True and dtype='bfloat16' (got soft_cap={spec.soft_cap}, dtype={spec.dtype!r})")
 
 
 def _archs_facts(archs: tuple[str, ...]) -> list[bool]:
@@ -267,7 +251,6 @@ class VarlenSpec(KernelSpec):
     mask_mod: str = ""   # a user's mask_mod, likewise
     exact_soft_cap: bool = False  # soft cap by an exact tanh (exp2 + reciprocal), not the hardware's tanh.approx
     poly_exp2: int = 0  # of every 4 key columns of 8, how many take exp2 on the FMA pipe (softmax.cuh)
-    static_max: bool = False  # bfloat16, soft cap <= STATIC_MAX_CAP: a constant max, no O rescale
     min_blocks: int = 0  # CTAs per SM the launch bounds ask ptxas to fit; 0: the shape's rule (fwd_shape.cuh)
 
     # Field rules (KernelSpec.validate_fields); a tile field's 0 means the tuned default.
@@ -330,16 +313,14 @@ class VarlenSpec(KernelSpec):
 
     @classmethod
     def for_call(cls, head_dim: int, dtype: str, paged: bool, soft_cap: bool, few_rows: bool, one_split: bool,
-                 hopper: bool, wgmma_enabled: bool = True, short: bool = False, small_cap: bool = False,
-                 **chosen) -> "VarlenSpec":
+                 hopper: bool, wgmma_enabled: bool = True, short: bool = False, **chosen) -> "VarlenSpec":
         """The spec a call runs: the one rule from a call's facts to its kernel.
 
         few_rows: every KV head's query rows (max_q x the GQA group) fit one 16-row tile;
         one_split: num_splits=1, which keeps the prefill shape so a sequence's result never
         depends on the rest of the batch; hopper: the call runs on sm_90; wgmma_enabled:
         JITATTN_WGMMA; short: every KV head's query rows and every sequence's keys fit
-        plan.SHORT_ROWS / SHORT_KEYS (an encoder's sentences); small_cap: the soft cap is at most
-        STATIC_MAX_CAP (static_max, with STATIC_SOFTCAP_MAX and bfloat16). `chosen` fixes fields ahead of
+        plan.SHORT_ROWS / SHORT_KEYS (an encoder's sentences). `chosen` fixes fields ahead of
         the rule (prewarm's named fields); the active overrides (jitattn/varlen/overrides.py)
         apply on top."""
         def choose(fixed: dict) -> "VarlenSpec":
@@ -360,10 +341,9 @@ class VarlenSpec(KernelSpec):
                                    and head_dim in PERSISTENT_FORWARD_HEAD_DIMS)
             min_blocks = fixed.get("min_blocks", SHORT_D32_MIN_BLOCKS if short and head_dim == 32 and not paged
                                    and not decode and not wgmma else 0)
-            static_max = fixed.get("static_max", STATIC_SOFTCAP_MAX and soft_cap and small_cap and dtype == "bfloat16")
             return cls(**{**fixed, "head_dim": head_dim, "dtype": dtype, "paged": paged, "soft_cap": soft_cap,
                           "decode": decode, "wgmma": wgmma, "tma": tma, "split_kv": split_kv,
-                          "persistent": persistent, "min_blocks": min_blocks, "static_max": static_max})
+                          "persistent": persistent, "min_blocks": min_blocks})
 
         # why (TMA, split_kv, persistent): notes/forward-h200.md, "VarlenSpec.takes_tma" and after
         return _with_overrides(cls, choose(chosen), lambda forced: choose({**forced, **chosen}))
@@ -382,11 +362,10 @@ class VarlenSpec(KernelSpec):
             for few_rows, one_split in ((False, False), (True, False), (True, True)):
                 for hopper in _archs_facts(archs):
                     for short in (False, True):
-                        for small_cap in (False, True):  # a soft cap above or within STATIC_MAX_CAP
-                            spec = cls.for_call(fields.get("head_dim", 0), fields.get("dtype", "float16"), paged,
-                                                fields.get("soft_cap", False), few_rows, one_split, hopper,
-                                                wgmma_enabled, short, small_cap, **base)
-                            variants.append(_fields_of(spec))
+                        spec = cls.for_call(fields.get("head_dim", 0), fields.get("dtype", "float16"), paged,
+                                            fields.get("soft_cap", False), few_rows, one_split, hopper, wgmma_enabled,
+                                            short, **base)
+                        variants.append(_fields_of(spec))
         return _unique(variants)
 
     @staticmethod
@@ -451,7 +430,6 @@ class VarlenSpec(KernelSpec):
         tile += ("_pingpong" if self.pingpong else "") + ("_overlap" if self.overlap else "") + ("_tma" if self.tma else "")
         tile += ("_splitkv" if self.split_kv else "") + ("_persistent" if self.persistent else "")
         tile += f"_poly{self.poly_exp2}" if self.poly_exp2 else ""
-        tile += "_staticmax" if self.static_max else ""
         tile += f"_b{self.min_blocks}" if self.min_blocks else ""
         return (f"varlen_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{'_paged' if self.paged else ''}"
                 f"_{'decode' if self.decode else 'prefill'}{'_wgmma' if self.wgmma else ''}"

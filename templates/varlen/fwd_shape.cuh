@@ -20,10 +20,6 @@ constexpr int STAGES = {{ stages }};
 // Of every 4 key columns of 8 in a tile, how many take their exponentials on the FMA pipe
 // (softmax.cuh's poly_exp2) instead of the MUFU unit: 0 keeps every exp2 on the MUFU.
 constexpr int POLY_EXP2 = {{ poly_exp2 }};
-// A soft cap small enough in bfloat16 (VarlenSpec.static_max): every logit lies in [-cap, cap], so
-// the softmax subtracts a constant instead of a running max, its exponentials within [2^-120, 2^64]
-// (normal in fp32 and bf16 alike; softmax.cuh's STATIC_MAX_HEADROOM): no row max, no O rescale.
-constexpr bool STATIC_MAX = {{ "true" if static_max else "false" }};
 constexpr int WARPS = WARPS_M * WARPS_N;  // the warps that compute
 // wgmma: one more warpgroup, the producer, does every K/V copy and hands stages to the compute
 // warpgroups through mbarriers, so they never wait on each other (a CTA barrier per tile held

@@ -142,7 +142,6 @@ __device__ __forceinline__ int2 hook_full_run(const VarlenParams&, const Work& w
 // Online softmax over the tile: new row maxima (over the quad that shares a row), exponentiate
 // in place (P, unnormalized, log2 units), running sums; each row's rescale of O into scale_o,
 // applied to O here unless RESCALE_O is false (OVERLAP: once O += P V let go of O).
-// STATIC_MAX: row_max is a constant bound (kernels.cu.j2): exponentiate and sum, nothing to rescale.
 template <bool RESCALE_O>
 __device__ __forceinline__ void online_softmax(ScoreTile& s, float (&row_max)[M_TILES][2], float (&row_sum)[M_TILES][2],
                                                float (&o)[M_TILES][CHUNKS][4], float (&scale_o)[M_TILES][2], float sl2) {
@@ -150,21 +149,6 @@ __device__ __forceinline__ void online_softmax(ScoreTile& s, float (&row_max)[M_
   for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      if constexpr (STATIC_MAX) {
-        const float base = row_max[mt][h] * sl2;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-          for (int e = 2 * h; e < 2 * h + 2; ++e) {
-            const float x = fmaf(s[mt][nt][e], sl2, -base);
-            s[mt][nt][e] = nt % 4 < POLY_EXP2 ? poly_exp2(x) : fast_exp2(x);
-            sum += s[mt][nt][e];
-          }
-        row_sum[mt][h] += sum;
-        scale_o[mt][h] = 1.f;  // (OVERLAP's O *= 1.f folds away)
-        continue;
-      }
       float mx = row_max[mt][h];
 #pragma unroll
       for (int nt = 0; nt < N_TILES; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
