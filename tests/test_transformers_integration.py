@@ -680,13 +680,15 @@ def test_dense_starts_match_their_formula_across_length_tables_and_cache_layouts
 
 
 def test_runs_finds_each_rows_first_token_span_and_count():
-    """jt._runs against a loop over random masks of every kind and width (a slice of the columns)."""
+    """jt._runs against a loop over random masks of every kind and width (a slice of the columns),
+    rows without a True among them."""
     g = torch.Generator().manual_seed(11)
-    columns = torch.arange(16, dtype=torch.int32)
+    ends = torch.arange(1, 17, dtype=torch.int32)
     for kind in MASK_KINDS:
         for width in (1, 7, 16):
             mask = random_mask(kind, 5, 16, g)[:, -width:]
-            first, span, count = jt._runs(mask, columns)
+            mask[0] = False
+            first, span, count = jt._runs(mask, ends)
             for b, row in enumerate(mask.tolist()):
                 at = [i for i, x in enumerate(row) if x]
                 want = (at[0], at[-1] - at[0] + 1, len(at)) if at else (0, 0, 0)

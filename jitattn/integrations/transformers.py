@@ -496,14 +496,14 @@ class _Shapes(NamedTuple):
     slot: torch.Tensor        # (B,) row b's first key row: b * rows
     end: torch.Tensor         # (1,) the keys' end: (B - 1) * rows + L_k
     row_starts: torch.Tensor  # (B + 1,) b * L_q: each row's first query row, then the total
-    columns: torch.Tensor     # (L_k,) 0 .. L_k - 1
+    ends: torch.Tensor        # (L_k,) 1 .. L_k: a column's index + 1 (`_runs`)
 
 
 def _mask_shapes(batch: int, len_q: int, len_k: int, rows: int, device: torch.device) -> _Shapes:
     def make():
         i32 = dict(dtype=torch.int32, device=device)
         return _Shapes(torch.arange(batch, **i32) * rows, torch.full((1,), (batch - 1) * rows + len_k, **i32),
-                       torch.arange(batch + 1, **i32) * len_q, torch.arange(len_k, **i32))
+                       torch.arange(batch + 1, **i32) * len_q, torch.arange(1, len_k + 1, **i32))
 
     return _per_shape(("mask", batch, len_q, len_k, rows, device), device, make)
 
@@ -650,7 +650,7 @@ def _mask_plan(mask: torch.Tensor, len_q: int, len_k: int, rows: int, device: to
     batch = mask.shape[0]
     shapes = _mask_shapes(batch, len_q, len_k, rows, device)
     slot, end = shapes.slot, shapes.end
-    first_k, span_k, count_k = _runs(mask, shapes.columns)
+    first_k, span_k, count_k = _runs(mask, shapes.ends)
     if len_q == 1:
         start = torch.cat([shapes.row_starts[:1], first_k[1:]])  # row 0 from its slot's start (row_starts[0] = 0)
         used = len_k - start  # to the mask's end, where the query is
@@ -670,7 +670,7 @@ def _mask_plan(mask: torch.Tensor, len_q: int, len_k: int, rows: int, device: to
         plan = _MaskPlan(shapes.row_starts, torch.cat([slot + first_k, end]), span_k, len_q, len_k, 0,
                          _key_is_token(whole, mask, first_k, 1))
         return _read_back(plan, count_k, span_k) if host_read else _reading(plan, whole, padding)
-    first_q, span_q, _ = (first_k, span_k, count_k) if len_q == len_k else _runs(mask[:, -len_q:], shapes.columns)
+    first_q, span_q, _ = (first_k, span_k, count_k) if len_q == len_k else _runs(mask[:, -len_q:], shapes.ends)
     first_q = torch.where(span_q > 0, first_q, len_q)  # no valid query: all of the row is padding before
     row_q = shapes.row_starts[:-1]
     start_k = slot + first_k
@@ -695,16 +695,16 @@ def _read_back(plan: _MaskPlan, count_k: torch.Tensor, span_k: torch.Tensor) -> 
     return plan._replace(max_k=int(host[1]), mask_mod=plan.mask_mod if host[0] else None)
 
 
-def _runs(mask: torch.Tensor, columns: torch.Tensor):
+def _runs(mask: torch.Tensor, ends: torch.Tensor):
     """Per row of a bool mask: (index of the first True (0 if none), span from the first True to
     the last (0 if none), number of Trues), int32, no host sync. Span > count: gaps in the row.
-    columns: 0 .. at least the mask's width - 1 (int32)."""
+    ends: 1 .. at least the mask's width (int32). Six small launches: a plan runs once per forward
+    pass, on the host's critical path (an encoder's whole layer call is a few of them)."""
     count = mask.sum(-1, dtype=torch.int32)
     as_int = mask.view(torch.uint8)  # argmax takes no bool; a view, not a copy
-    first = as_int.argmax(-1).to(torch.int32)  # the first maximum
-    last = (as_int * columns[:mask.shape[-1]]).amax(-1)  # int32
-    some = count > 0
-    return torch.where(some, first, 0), torch.where(some, last - first + 1, 0), count
+    first = as_int.argmax(-1).to(torch.int32)  # the first maximum: 0 in a row without a True
+    end = (as_int * ends[:mask.shape[-1]]).amax(-1)  # one past the last True: 0 in a row without one
+    return first, end - first, count
 
 
 def _key_is_token(whole: torch.Tensor, mask: torch.Tensor, first: torch.Tensor, per_row: int):
