@@ -698,8 +698,8 @@ def _read_back(plan: _MaskPlan, count_k: torch.Tensor, span_k: torch.Tensor) -> 
 def _runs(mask: torch.Tensor, ends: torch.Tensor):
     """Per row of a bool mask: (index of the first True (0 if none), span from the first True to
     the last (0 if none), number of Trues), int32, no host sync. Span > count: gaps in the row.
-    ends: 1 .. at least the mask's width (int32). Six small launches: a plan runs once per forward
-    pass, on the host's critical path (an encoder's whole layer call is a few of them)."""
+    ends: 1 .. at least the mask's width (int32). Six small launches, kept few: a forward pass's
+    plan enqueues them on the host's critical path of a host-bound model (a padded encoder's)."""
     count = mask.sum(-1, dtype=torch.int32)
     as_int = mask.view(torch.uint8)  # argmax takes no bool; a view, not a copy
     first = as_int.argmax(-1).to(torch.int32)  # the first maximum: 0 in a row without a True
