@@ -21,6 +21,9 @@ beside the default.
 
     python3 tools/bench_variants.py [--batch 8 --seqlen 4096 --heads 32 --head-dim 128] [--quick] [--rows80]
                                     [--no-early-probs]
+
+(`jitattn prewarm cache/variants.toml cache/softcap.toml --arch 9.0` first builds what it runs
+with every core instead of one JIT build at a time.)
 """
 from __future__ import annotations
 
