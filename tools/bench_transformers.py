@@ -173,6 +173,15 @@ def padding(impl: str):
     return jt.use_backend(jt.jitattn_backend(how))
 
 
+def in_turn(settings: tuple, round_index: int):
+    """The settings of one interleaved round, in ABBA order (reversed every other round, so none
+    always runs first or last), each after a GC pass (the last one's garbage is not collected
+    inside the next one's timing)."""
+    for setting in settings if round_index % 2 == 0 else settings[::-1]:
+        gc.collect()
+        yield setting
+
+
 def compare(make, case, impls=("sdpa", "jitattn"), rounds: int = 3):
     """{impl: rate} for one case, {impl: [its rate over sdpa's, per round]} and the same of the
     rates per CPU second where the case gives them (else empty lists): each implementation
@@ -186,8 +195,7 @@ def compare(make, case, impls=("sdpa", "jitattn"), rounds: int = 3):
     rates = {impl: [] for impl in impls}
     cpu_rates = {impl: [] for impl in impls}  # cases that also return a rate per CPU second
     for r in range(rounds):
-        for impl in (impls if r % 2 == 0 else impls[::-1]):  # ABBA: neither always runs first
-            gc.collect()  # the last case's garbage is not collected inside this one's timing
+        for impl in in_turn(impls, r):
             with padding(impl):
                 rate = case(models[impl])
             if isinstance(rate, tuple):
@@ -226,8 +234,7 @@ def flash_provider_rows(data, layers, new, rounds: int = 3):
             state = state or models[setting].state_dict()
         rates = {setting: [] for setting in settings}
         for r in range(rounds):
-            for setting in (settings if r % 2 == 0 else settings[::-1]):  # as compare: neither end always first
-                gc.collect()
+            for setting in in_turn(settings, r):
                 try:
                     with run(setting):
                         rates[setting].append(case(models[setting]))
