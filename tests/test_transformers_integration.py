@@ -138,7 +138,69 @@ def test_register_adds_jitattn_to_both_interfaces():
     assert AttentionInterface()["jitattn"] is jt.attention_forward
     assert "jitattn" in AttentionInterface().valid_keys()
     # the model hands over the 2D padding mask (or None), as to FlashAttention
-    assert ALL_MASK_ATTENTION_FUNCTIONS["jitattn"] is ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"]
+    assert ALL_MASK_ATTENTION_FUNCTIONS["jitattn"] is jt.padding_mask
+
+
+def mask_call(mask, q_length, kv_length=None):
+    """What transformers' create_*_mask hands a mask function (keywords, as masking_utils calls it)."""
+    from transformers.masking_utils import causal_mask_function
+
+    kv_length = mask.shape[1] if kv_length is None else kv_length
+    return dict(batch_size=mask.shape[0], q_length=q_length, kv_length=kv_length, q_offset=0, kv_offset=0,
+                mask_function=causal_mask_function, attention_mask=mask, allow_is_causal_skip=True,
+                dtype=torch.float32, config=None, use_vmap=False, device=mask.device)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_padding_mask_hands_inference_calls_the_2d_mask_without_reading_it(padded):
+    """Several queries, no grad (an encoder, a prompt): the mask's last kv_length columns, read
+    by nothing on the host (FlashAttention's function would return None for an all-ones mask after
+    reading it). One query, or grad: FlashAttention's own answer."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    flash = ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"]
+    mask = torch.ones(3, 9, dtype=torch.bool)
+    mask[1, :4] = not padded
+    counter = SyncCounter()
+    with torch.no_grad(), counter:
+        got = jt.padding_mask(**mask_call(mask, q_length=9))
+        sliced = jt.padding_mask(**mask_call(mask, q_length=5, kv_length=6))
+    assert counter.syncs == []
+    assert torch.equal(got, mask) and got.data_ptr() == mask.data_ptr()  # a view: nothing copied
+    assert torch.equal(sliced, mask[:, -6:])
+    for q_length, grad in ((1, False), (9, True)):
+        with torch.set_grad_enabled(grad):
+            want = flash(**mask_call(mask, q_length=q_length))
+            got = jt.padding_mask(**mask_call(mask, q_length=q_length))
+        assert (got is None) == (want is None) == (not padded)
+        assert want is None or torch.equal(got, want)
+    with torch.no_grad():  # no mask stays no mask
+        assert jt.padding_mask(**{**mask_call(mask, q_length=9), "attention_mask": None}) is None
+
+
+def test_an_encoder_forward_pass_reads_nothing_back_and_matches_sdpa_without_padding(calls, sync_counter):
+    """A BERT-like encoder under jitattn: no host read in the whole forward pass (transformers' mask
+    creation included), padded or not; an all-ones mask takes the padded path and stays exact."""
+    def config():  # one each: a model keeps its config's attention implementation
+        return transformers.BertConfig(vocab_size=100, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=128, max_position_embeddings=32)
+
+    torch.manual_seed(0)
+    ours = transformers.AutoModel.from_config(config(), attn_implementation="jitattn").eval()
+    theirs = transformers.AutoModel.from_config(config(), attn_implementation="sdpa").eval()
+    theirs.load_state_dict(ours.state_dict())
+    ids = torch.randint(1, 100, (3, 10), generator=torch.Generator().manual_seed(1))
+    for mask in (torch.ones(3, 10, dtype=torch.long), torch.tensor([[1] * 10, [1] * 6 + [0] * 4, [1] * 3 + [0] * 7])):
+        del sync_counter.syncs[:]
+        with torch.no_grad():
+            with sync_counter:
+                got = ours(ids, attention_mask=mask).last_hidden_state
+            want = theirs(ids, attention_mask=mask).last_hidden_state
+        assert sync_counter.syncs == [], sync_counter.syncs
+        assert [c["mask_mod"] is not None for c in calls] == [True, True]  # both layers: the padded path
+        del calls[:]
+        valid = mask.bool()
+        torch.testing.assert_close(got[valid], want[valid], rtol=1e-4, atol=1e-4)
 
 
 def test_register_without_transformers_says_how_to_install(monkeypatch):

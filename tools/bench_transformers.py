@@ -38,6 +38,9 @@ the default's) beside the default "on_device" (no host read; the mask_mod on eve
 in the same run. "host_read": the padded path before issue 47 item 2 (one host read per forward
 pass, tight max_k, no mask_mod without gaps); "async_read": "on_device" plus a non-blocking read of
 whether any row has gaps, whose later layers leave the mask_mod out once it arrived.
+--padding flash_mask adds jitattn registered with FlashAttention's mask function (the model's host
+read of `attention_mask.all()` in every forward pass) beside jt.padding_mask, which leaves it out of
+inference calls with several queries (the encoders, a prompt).
 """
 from __future__ import annotations
 
@@ -166,11 +169,30 @@ def encode_rate(m, batch):
 
 
 def padding(impl: str):
-    """The context an implementation runs in: "jitattn:<padding>" sets Backend.padding."""
+    """The context an implementation runs in: "jitattn:<padding>" sets Backend.padding;
+    "jitattn:flash_mask" runs with FlashAttention's mask function instead of jt.padding_mask."""
     name, _, how = impl.partition(":")
     if not how:
         return contextlib.nullcontext()
+    if how == FLASH_MASK:
+        return flash_mask()
     return jt.use_backend(jt.jitattn_backend(how))
+
+
+FLASH_MASK = "flash_mask"
+
+
+@contextlib.contextmanager
+def flash_mask():
+    """jitattn as registered before jt.padding_mask: FlashAttention's mask function, whose check
+    `attention_mask.all()` reads the mask back in every forward pass."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionMaskInterface.register(jt.NAME, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+    try:
+        yield
+    finally:
+        AttentionMaskInterface.register(jt.NAME, jt.padding_mask)
 
 
 def in_turn(settings: tuple, round_index: int):
@@ -435,8 +457,10 @@ def main():
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--generate-repeats", type=int, default=GENERATE_REPEATS,
                         help="generations per implementation per round; the fastest is its rate")
-    parser.add_argument("--padding", nargs="*", default=[], choices=[p for p in jt.PADDINGS if p != "on_device"],
-                        help="also jitattn with these Backend.padding modes on the padded cases")
+    parser.add_argument("--padding", nargs="*", default=[],
+                        choices=[p for p in jt.PADDINGS if p != "on_device"] + [FLASH_MASK],
+                        help="also jitattn with these Backend.padding modes on the padded cases (flash_mask: "
+                             "with FlashAttention's mask function)")
     parser.add_argument("--cases", nargs="+", default=None,
                         help="only the rows whose name holds one of these words (generate, train, encoder, "
                              "host: one decode layer call's host time, flash: the flash-registry rows)")

@@ -13,7 +13,7 @@ and needs no flash-attn package. How a call maps (query (B, H_q, L_q, D), key/va
   inference call (no grad) are read where they lie, as slots of a strided view with `seqused_k`
   (a KV cache is never copied); with grad they are packed too.
 - a padding mask (the 2D (B, L_k) mask transformers hands an implementation that registers
-  FlashAttention's mask function, as this one does): keys and values are read in place
+  FlashAttention's mask function, as this one does, `padding_mask`): keys and values are read in place
   (inference) with `seqused_k` and per-row starts, each row's keys the span from its first token
   to its last; queries stay in their padded rows (the mask's last L_q columns, left padding as
   transformers assumes), each row split into three sequences (padding before, the span of valid
@@ -30,7 +30,8 @@ and needs no flash-attn package. How a call maps (query (B, H_q, L_q, D), key/va
   mask says is derived on the device by the first layer of a forward pass and reused by the others
   (`_PER_FORWARD`, keyed by the tensor's identity and version). The dense path's sequence starts
   are made once per shape. (transformers' own FlashAttention mask function reads the mask once
-  per forward pass, `attention_mask.all()`, before the model's layers.)
+  per forward pass, `attention_mask.all()`, before the model's layers; `padding_mask` leaves that
+  read out of inference calls with several queries.)
 - warm layer calls: a layer whose call has the signature of one before it (shapes, strides,
   dtypes, the mask's metadata, the scalars: every layer of a forward pass but the first) skips the
   mapping and the checks and launches the plan kept for it (`_WarmCall`), its views rebuilt on the
@@ -65,20 +66,39 @@ NAME = "jitattn"
 
 
 def register(name: str = NAME) -> str:
-    """Add jitattn to transformers' AttentionInterface (and FlashAttention's padding-mask function
-    to AttentionMaskInterface under the same name, so the model hands over a 2D mask or None).
+    """Add jitattn to transformers' AttentionInterface (and `padding_mask` to AttentionMaskInterface
+    under the same name, so the model hands over a 2D mask or None).
     Returns the name for attn_implementation=. Safe to call more than once."""
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError as exc:  # an optional dependency: say how to get it
         raise ImportError(f"jitattn.integrations.transformers needs transformers >= 5 ({exc}); "
                           "install it with `pip install 'jitattn[transformers]'`") from exc
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+    AttentionMaskInterface.register(name, padding_mask)
     for per_row in PER_ROW:  # traced here, not inside a model's first forward pass (which torch.compile may trace)
         _padding_variant(per_row)
     return name
+
+
+def padding_mask(*args, **kwargs):
+    """The mask function registered beside `attention_forward`: FlashAttention's (the 2D
+    (B, L_k) mask, or None where no key is padding), except that an inference call with several
+    queries (an encoder's, a prompt's) gets the 2D mask without FlashAttention's check
+    `attention_mask.all()`. That check is a host read before the model's first layer in every
+    forward pass, which waits for the device: a pipeline of encoder batches would drain every
+    batch. The padded path is exact for a mask without padding too. Decode steps (one query)
+    keep the check, which sends them to the dense path (generation waits for the device every
+    step anyway), and so do calls with grad (training's all-ones masks keep the dense kernels)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    flash_attention_mask = ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"]
+    mask, q_length, kv_length = (kwargs.get(name) for name in ("attention_mask", "q_length", "kv_length"))
+    if (args or not isinstance(mask, torch.Tensor) or mask.ndim != 2 or not isinstance(q_length, int) or q_length < 2
+            or not isinstance(kv_length, int) or torch.is_grad_enabled()):
+        return flash_attention_mask(*args, **kwargs)
+    return mask[:, -kv_length:]
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
