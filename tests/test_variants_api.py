@@ -141,6 +141,12 @@ def test_soft_cap_and_a_score_mod_are_one_hook():
         VarlenSpec(64, soft_cap=True, score_mod=ALIBI.key_text)
     with pytest.raises(ValueError, match="exact_soft_cap"):
         VarlenSpec(64, exact_soft_cap=True)
+    # poly_tanh picks the soft cap's tanh too, and not beside the exact one
+    for spec_class in (VarlenSpec, VarlenBackwardSpec):
+        for fields in ({"poly_tanh": True}, {"poly_tanh": True, "soft_cap": True, "exact_soft_cap": True}):
+            with pytest.raises(ValueError, match="poly_tanh=True picks the soft cap's tanh"):
+                spec_class(64, **fields)
+        assert spec_class(64, soft_cap=True, poly_tanh=True).name != spec_class(64, soft_cap=True).name
 
 
 def test_the_ops_carry_variants_as_text_and_a_tensor_list():

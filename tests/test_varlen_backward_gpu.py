@@ -344,6 +344,21 @@ def test_soft_cap_gradients_match_reference(window, dtype, head_dim, rung):
     assert rel_error(got[0], uncapped[0]) > 10 * REL_TOL[dtype], "soft cap: dq is the uncapped one"
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_poly_tanh_soft_cap_gradients_match_reference(head_dim):
+    """The forward and the backward with poly_tanh (VarlenSpec / VarlenBackwardSpec: the same
+    tanh per logit, so the backward's P matches the forward's lse): cap 1.5 puts these logits on
+    both sides of the cubic's reach."""
+    from jitattn.varlen.plan import override_spec
+
+    b = make_batch(LEN_Q, LEN_K, 8, 2, head_dim, BF16, seed=60 + head_dim)
+    grad_out, grad_lse = grad_out_for(b, 6), grad_lse_for(b, 6)
+    with override_spec("varlen", poly_tanh=True), override_spec("varlen_backward", poly_tanh=True):
+        got = run_backward(b, WINDOWS["causal"], grad_out, grad_lse=grad_lse, softcap=SOFT_CAP)
+    check_grads(b, got, oracle(b, WINDOWS["causal"], grad_out, grad_lse=grad_lse, softcap=SOFT_CAP),
+                "poly_tanh softcap")
+
+
 def test_one_visible_key_gives_zero_dq_and_dk_and_dv_equal_to_do(rung):
     """Window (0, 0) with Lq = Lk: row r sees key r alone, P = 1, so dS = 0 exactly in exact
     arithmetic: dq = dk = 0 and dv = dO. Only an absolute comparison can judge dq and dk."""

@@ -143,6 +143,26 @@ def test_soft_cap_matches_reference(case, wgmma, monkeypatch):
     assert rel_error(out[rows], uncapped[rows]) > 5 * TOL[dtype][0], "soft cap: the result is the uncapped one"
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("cap", [8.0, 1.5])
+def test_poly_tanh_soft_cap_matches_reference(head_dim, cap):
+    """VarlenSpec.poly_tanh (the soft cap's tanh on the FMA pipe within |x| <= 1, the hardware's
+    beyond) on the call's own kernel: cap 8 keeps these logits (~N(0, 1)) within the cubic's
+    reach, cap 1.5 sends many tiles past it (the tile's other path). Against float64, and not the
+    default tanh's bits (the override ran)."""
+    from jitattn.varlen.plan import override_spec
+
+    rng = random.Random(700 + head_dim)
+    len_k = [rng.randint(1, 700) for _ in range(5)] + [1200]
+    len_q = [min(n, rng.randint(1, 400)) for n in len_k]
+    b = make_batch(len_q, len_k, 16, 4, head_dim, torch.bfloat16, seed=700 + head_dim)
+    default = run(b, window=(-1, 0), want_lse=True, softcap=cap)
+    with override_spec("varlen", poly_tanh=True):
+        out, lse = run(b, window=(-1, 0), want_lse=True, softcap=cap)
+    check(b, out, lse, reference(b, (-1, 0), softcap=cap), f"poly_tanh softcap={cap}")
+    assert not torch.equal(lse, default[1]), "poly_tanh: the lse is the default tanh's"
+
+
 # ---------------------------------------------------------------- zero-length sequences
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("paged", [False, True])

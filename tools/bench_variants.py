@@ -253,8 +253,9 @@ def _check(mine, peer, inputs, name):
 
 def bench_softcap(args, device):
     """softcap= against no cap, forward, D64 / D128 / D256, with the forward's MUFU levers forced by
-    override (poly_exp2 on part of the columns, the exact tanh), and the capped output's
-    error against float64 (the hardware tanh, the default, and the exact tanh)."""
+    override (poly_exp2 on part of the columns, the exact tanh, poly_tanh: the tanh on the FMA
+    pipe within |x| <= 1), and the capped output's error against float64 (the hardware tanh,
+    the default, and the exact tanh; every column's on the line below)."""
     from jitattn.reference import varlen_attn_reference
     from jitattn.varlen.plan import override_spec
 
@@ -267,7 +268,7 @@ def bench_softcap(args, device):
     all_variants = {  # name -> (softcap, forced fields of the forward spec)
         "no cap": (None, {}), "cap": (50.0, {}),
         "cap, poly1": (50.0, {"poly_exp2": 1}), "cap, poly2": (50.0, {"poly_exp2": 2}),
-        "cap, exact tanh": (50.0, {"exact_soft_cap": True}),
+        "cap, exact tanh": (50.0, {"exact_soft_cap": True}), "cap, poly tanh": (50.0, {"poly_tanh": True}),
         "cap, pingpong": (50.0, {**orders, "pingpong": True}), "cap, overlap": (50.0, {**orders, "overlap": True}),
     }
     print(f"\n### Soft cap 50: forward ms (and x the default uncapped), bf16, {b} x {l}, {h} heads "

@@ -176,6 +176,9 @@ def _check_variants(spec) -> None:
                          "write the cap in the score_mod")
     if spec.exact_soft_cap and not spec.soft_cap:
         raise ValueError(f"{spec.family} spec: exact_soft_cap=True picks the soft cap's tanh: set soft_cap=True")
+    if spec.poly_tanh and (not spec.soft_cap or spec.exact_soft_cap):
+        raise ValueError(f"{spec.family} spec: poly_tanh=True picks the soft cap's tanh (an alternative to the "
+                         "exact one): set soft_cap=True and exact_soft_cap=False")
 
 
 def _archs_facts(archs: tuple[str, ...]) -> list[bool]:
@@ -252,6 +255,7 @@ class VarlenSpec(KernelSpec):
     exact_soft_cap: bool = False  # soft cap by an exact tanh (exp2 + reciprocal), not the hardware's tanh.approx
     poly_exp2: int = 0  # of every 4 key columns of 8, how many take exp2 on the FMA pipe (softmax.cuh)
     min_blocks: int = 0  # CTAs per SM the launch bounds ask ptxas to fit; 0: the shape's rule (fwd_shape.cuh)
+    poly_tanh: bool = False  # soft cap: tanh on the FMA pipe where |x| <= 1, the hardware's beyond (soft_cap.cuh)
 
     # Field rules (KernelSpec.validate_fields); a tile field's 0 means the tuned default.
     choices: ClassVar[dict[str, tuple[str, ...]]] = {"dtype": ("float16", "bfloat16")}
@@ -433,7 +437,8 @@ class VarlenSpec(KernelSpec):
         tile += f"_b{self.min_blocks}" if self.min_blocks else ""
         return (f"varlen_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{'_paged' if self.paged else ''}"
                 f"_{'decode' if self.decode else 'prefill'}{'_wgmma' if self.wgmma else ''}"
-                f"{'_cap' if self.soft_cap else ''}{'x' if self.exact_soft_cap else ''}{_variant_tag(self)}_{tile}")
+                f"{'_cap' if self.soft_cap else ''}{'x' if self.exact_soft_cap else ''}{'p' if self.poly_tanh else ''}"
+                f"{_variant_tag(self)}_{tile}")
 
 
 # The register splits of the backward's producer variant: compute warpgroups' registers -> the
@@ -476,6 +481,7 @@ class VarlenBackwardSpec(KernelSpec):
     score_mod: str = ""  # the forward's score_mod (its tree's canonical text): dS takes its derivative
     mask_mod: str = ""   # the forward's mask_mod
     exact_soft_cap: bool = False  # the forward's exact tanh (its P must match the forward's lse)
+    poly_tanh: bool = False  # the forward's poly_tanh (tanh_split: the same value per logit)
 
     # Field rules (KernelSpec.validate_fields); a tile field's 0 means the tuned default.
     choices: ClassVar[dict[str, tuple[str, ...]]] = {"dtype": ("float16", "bfloat16")}
@@ -644,7 +650,8 @@ class VarlenBackwardSpec(KernelSpec):
         if self.producer and self.consumer_regs != 224:
             rung += f"_r{self.consumer_regs}"
         return (f"varlen_backward_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}{rung}{'_cap' if self.soft_cap else ''}"
-                f"{'x' if self.exact_soft_cap else ''}{_variant_tag(self)}_n{self.block_n}m{self.block_m}q{self.warps_q}")
+                f"{'x' if self.exact_soft_cap else ''}{'p' if self.poly_tanh else ''}{_variant_tag(self)}"
+                f"_n{self.block_n}m{self.block_m}q{self.warps_q}")
 
     def params(self) -> dict:
         early = EARLY_UNIT_SLOPE_PROBS and bool(self.score_mod)  # only a score_mod's kernels change

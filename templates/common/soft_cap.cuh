@@ -22,4 +22,23 @@ __device__ __forceinline__ float tanh_approx(float x) {
 #endif
 }
 
+// tanh(x) on the FMA pipe for |x| <= 1: x * Q(x^2), Q a cubic fitted for the least largest
+// relative error there (8.2e-5 in fp32, against tanh.approx's 2^-11 = 4.9e-4). Six issue slots
+// and no MUFU operation, where tanh.approx takes one slot and as much of the MUFU unit as the
+// softmax's exp2: a capped D128 forward issues two MUFU operations per logit, which the tensor
+// cores' time per logit only just covers (notes/softcap.md). Beyond |x| = 1 the cubic drifts.
+constexpr float TANH_POLY_REACH = 1.f;
+__device__ __forceinline__ float tanh_poly(float x) {
+  const float v = x * x;
+  return x * fmaf(fmaf(fmaf(-0.026630526408553123f, v, 0.11889863014221191f), v, -0.3306546211242676f), v,
+                  0.9999185800552368f);
+}
+
+// tanh(x): the FMA pipe's within its reach, the hardware's beyond it; each x's value depends on
+// x alone, so a kernel that computes some logits one way (SoftCapScore::score_all) and a
+// backward that recomputes them elementwise agree exactly.
+__device__ __forceinline__ float tanh_split(float x) {
+  return fabsf(x) <= TANH_POLY_REACH ? tanh_poly(x) : tanh_approx(x);
+}
+
 }  // namespace jitattn

@@ -44,11 +44,27 @@ __device__ __forceinline__ AffineRows affine_rows(const VarlenParams& p, const W
   return rows;
 }
 
+// Whether a score hook takes a thread's whole tile at once (score_all: SoftCapScore with
+// poly_tanh); hooks that do not say are elementwise.
+template <class Score, class = void>
+struct WarpTiles : std::false_type {};
+template <class Score>
+struct WarpTiles<Score, std::void_t<decltype(Score::WARP_TILES)>> : std::bool_constant<Score::WARP_TILES> {};
+
+template <class Score>
+__device__ __forceinline__ void score_whole_tile(const Score& score_mod, ScoreTile& s) {
+  score_mod.score_all(reinterpret_cast<float(&)[M_TILES * N_TILES * 4]>(s));
+}
+
 // The score hook on every logit of the tile (keys from n0; rows from the block's m0; affine:
 // affine_rows of the same rows).
 __device__ __forceinline__ void score_tile(const VarlenParams& p, const Work& w, ScoreTile& s, int n0, int row0,
                                            int col0, int g, int c, const AffineRows& affine) {
   const ScoreMod score_mod(p);
+  if constexpr (WarpTiles<ScoreMod>::value) {  // (its indices unused: a soft cap's)
+    score_whole_tile(score_mod, s);
+    return;
+  }
   if constexpr (ScoreMod::KV_AFFINE) {
     // s + a * (kv_idx - origin), a per row: one FMA per logit; the column's offset is exact in
     // fp32 (positions < 2^22: the variant's calls check), one conversion per tile.
