@@ -157,6 +157,30 @@ __device__ __forceinline__ void probs_to_dscores(const float (&pt)[TILES][4], fl
     for (int e = 0; e < 4; ++e) dp[t][e] = pt[t][e] * (dp[t][e] - ((e & 1) ? d[t].y : d[t].x));
 }
 
+// scored_probs_to_dscores for a hook that scores a whole tile (WarpTiles: the soft cap with
+// poly_tanh), whose score and slope read no index: the scores by score_all, each the value
+// score() gives it, so P^T matches the forward's lse.
+template <bool DSCORES, class Score, int TILES>
+__device__ __forceinline__ void scored_tile_to_dscores(const Score& score_mod, float (&s)[TILES][4],
+                                                       float (&dp)[TILES][4], const float2 (&l)[TILES],
+                                                       const float2 (&d)[TILES], float sl2) {
+  float score[TILES][4];
+#pragma unroll
+  for (int t = 0; t < TILES; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) score[t][e] = s[t][e];
+  score_mod.score_all(reinterpret_cast<float(&)[TILES * 4]>(score));
+#pragma unroll
+  for (int t = 0; t < TILES; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float raw = s[t][e];
+      s[t][e] = fast_exp2(fmaf(score[t][e], sl2, -((e & 1) ? l[t].y : l[t].x)));
+      if constexpr (DSCORES)
+        dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? d[t].y : d[t].x)) * score_mod.dscore(raw, score[t][e], 0, 0, 0, 0);
+    }
+}
+
 // With the score hook (ScoreMod, score.cuh: the soft cap), S^T and dP^T -> P^T and dS^T in
 // place in one pass: P^T from the hook's score, dS^T times its slope dscore (scale is applied to
 // dQ and dK later), so the score is needed at both steps and never stored. Element (t, e): key
@@ -169,6 +193,10 @@ __device__ __forceinline__ void scored_probs_to_dscores(const BwdParams& p, cons
                                                         const float2 (&l)[TILES], const float2 (&d)[TILES],
                                                         float sl2) {
   const ScoreMod score_mod(p);
+  if constexpr (WarpTiles<ScoreMod>::value) {  // the soft cap's tanh, a tile at once (score.cuh)
+    scored_tile_to_dscores<DSCORES>(score_mod, s, dp, l, d, sl2);
+    return;
+  }
   // Element (t, e) of query head `head` and position q_idx: P^T, then dS^T times the hook's slope.
   auto element = [&](int t, int e, int head, int q_idx) {
     const int kv = w.n0 + key0 + g + 8 * (e / 2);

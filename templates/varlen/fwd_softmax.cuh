@@ -44,13 +44,6 @@ __device__ __forceinline__ AffineRows affine_rows(const VarlenParams& p, const W
   return rows;
 }
 
-// Whether a score hook takes a thread's whole tile at once (score_all: SoftCapScore with
-// poly_tanh); hooks that do not say are elementwise.
-template <class Score, class = void>
-struct WarpTiles : std::false_type {};
-template <class Score>
-struct WarpTiles<Score, std::void_t<decltype(Score::WARP_TILES)>> : std::bool_constant<Score::WARP_TILES> {};
-
 template <class Score>
 __device__ __forceinline__ void score_whole_tile(const Score& score_mod, ScoreTile& s) {
   score_mod.score_all(reinterpret_cast<float(&)[M_TILES * N_TILES * 4]>(s));

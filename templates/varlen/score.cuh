@@ -18,6 +18,13 @@
 // whole tile to score_all (the soft cap with poly_tanh: one warp vote a tile decides whether any
 // logit needs the hardware tanh).
 
+// Whether a score hook takes a thread's whole tile at once (score_all: SoftCapScore with
+// poly_tanh); hooks that do not say are elementwise.
+template <class Score, class = void>
+struct WarpTiles : std::false_type {};
+template <class Score>
+struct WarpTiles<Score, std::void_t<decltype(Score::WARP_TILES)>> : std::bool_constant<Score::WARP_TILES> {};
+
 struct IdentityScore {
   static constexpr bool ACTIVE = false;
   static constexpr bool KV_AFFINE = false;
