@@ -13,7 +13,7 @@ and needs no flash-attn package. How a call maps (query (B, H_q, L_q, D), key/va
   inference call (no grad) are read where they lie, as slots of a strided view with `seqused_k`
   (a KV cache is never copied); with grad they are packed too.
 - a padding mask (the 2D (B, L_k) mask transformers hands an implementation that registers
-  FlashAttention's mask function, as this one does, `padding_mask`): keys and values are read in place
+  FlashAttention's mask function or, as this one does, its like: `padding_mask`): keys and values are read in place
   (inference) with `seqused_k` and per-row starts, each row's keys the span from its first token
   to its last; queries stay in their padded rows (the mask's last L_q columns, left padding as
   transformers assumes), each row split into three sequences (padding before, the span of valid
