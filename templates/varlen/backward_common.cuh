@@ -157,6 +157,16 @@ __device__ __forceinline__ void probs_to_dscores(const float (&pt)[TILES][4], fl
     for (int e = 0; e < 4; ++e) dp[t][e] = pt[t][e] * (dp[t][e] - ((e & 1) ? d[t].y : d[t].x));
 }
 
+// Element (t, e) of scored_probs_to_dscores from its score: P^T, then (DSCORES) dS^T times the
+// hook's slope there (slope(): called only then).
+template <bool DSCORES, int TILES, class Slope>
+__device__ __forceinline__ void scored_element(float (&s)[TILES][4], float (&dp)[TILES][4], const float2 (&l)[TILES],
+                                               const float2 (&d)[TILES], float sl2, int t, int e, float score,
+                                               Slope slope) {
+  s[t][e] = fast_exp2(fmaf(score, sl2, -((e & 1) ? l[t].y : l[t].x)));
+  if constexpr (DSCORES) dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? d[t].y : d[t].x)) * slope();
+}
+
 // scored_probs_to_dscores for a hook that scores a whole tile (WarpTiles: the soft cap with
 // poly_tanh), whose score and slope read no index: the scores by score_all, each the value
 // score() gives it, so P^T matches the forward's lse.
@@ -174,10 +184,8 @@ __device__ __forceinline__ void scored_tile_to_dscores(const Score& score_mod, f
   for (int t = 0; t < TILES; ++t)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float raw = s[t][e];
-      s[t][e] = fast_exp2(fmaf(score[t][e], sl2, -((e & 1) ? l[t].y : l[t].x)));
-      if constexpr (DSCORES)
-        dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? d[t].y : d[t].x)) * score_mod.dscore(raw, score[t][e], 0, 0, 0, 0);
+      const float raw = s[t][e], th = score[t][e];
+      scored_element<DSCORES>(s, dp, l, d, sl2, t, e, th, [&] { return score_mod.dscore(raw, th, 0, 0, 0, 0); });
     }
 }
 
@@ -202,9 +210,8 @@ __device__ __forceinline__ void scored_probs_to_dscores(const BwdParams& p, cons
     const int kv = w.n0 + key0 + g + 8 * (e / 2);
     const float raw = s[t][e];
     const float score = score_mod.score(raw, w.seq, head, q_idx, kv);
-    s[t][e] = fast_exp2(fmaf(score, sl2, -((e & 1) ? l[t].y : l[t].x)));
-    if constexpr (DSCORES)
-      dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? d[t].y : d[t].x)) * score_mod.dscore(raw, score, w.seq, head, q_idx, kv);
+    scored_element<DSCORES>(s, dp, l, d, sl2, t, e, score,
+                            [&] { return score_mod.dscore(raw, score, w.seq, head, q_idx, kv); });
   };
   // The thread's query columns, base + 8 t and base + 8 t + 1, stepped rather than divided by
   // pack per element (a user score_mod reads their token and head).
